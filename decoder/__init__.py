@@ -1,0 +1,1 @@
+"""echospec.decoder"""

@@ -1,0 +1,143 @@
+"""CandidateTree: the proposer's output and the verifier's input.
+
+A tree of candidate continuations of a context. The root is the context's last token (not stored);
+nodes are stored in topological order (every parent before its children), so a verifier can feed
+`tokens` as one block with `mask` as the tree-attention mask and `depths` as position offsets.
+Everything is a NumPy array; nothing here knows about torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, Sequence
+
+import numpy as np
+
+SOURCES = ("prompt", "speaker", "general", "faiss")
+"""Where a node came from: `sources[i]` indexes this tuple."""
+
+
+@dataclass(frozen=True, eq=False)
+class CandidateTree:
+    tokens: np.ndarray  # int64[N]   store-local speech ids
+    parents: np.ndarray  # int32[N]  index of the parent node, -1 = child of the root
+    depths: np.ndarray  # int32[N]   1 for the root's children
+    counts: np.ndarray  # float32[N] support: weighted number of stored continuations through the node
+    probs: np.ndarray  # float32[N]  estimated probability that the path root..node is right
+    sources: np.ndarray  # uint8[N]  index into SOURCES
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        for name in ("parents", "depths", "counts", "probs", "sources"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"CandidateTree.{name} has {len(getattr(self, name))} entries, tokens has {n}")
+        if n and np.any(self.parents >= np.arange(n)):
+            raise ValueError("CandidateTree nodes must come after their parents")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if len(self) else 0
+
+    @cached_property
+    def mask(self) -> np.ndarray:
+        """bool[N, N]: mask[i, j] is True when node j is node i or one of its ancestors."""
+        n = len(self)
+        mask = np.eye(n, dtype=bool)
+        for i in range(n):
+            if self.parents[i] >= 0:
+                mask[i] |= mask[self.parents[i]]
+        return mask
+
+    @cached_property
+    def paths(self) -> np.ndarray:
+        """int32[L, max_depth]: node indices of each root-to-leaf path, padded with -1."""
+        leaves = np.setdiff1d(np.arange(len(self)), self.parents)
+        paths = np.full((len(leaves), self.max_depth), -1, dtype=np.int32)
+        for row, leaf in enumerate(leaves):
+            chain = np.flatnonzero(self.mask[leaf])  # ancestors are in topological order
+            paths[row, : len(chain)] = chain
+        return paths
+
+    def children(self, node: int) -> np.ndarray:
+        """Indices of `node`'s children (node -1 is the root)."""
+        return np.flatnonzero(self.parents == node)
+
+    @classmethod
+    def empty(cls) -> "CandidateTree":
+        return cls(
+            tokens=np.zeros(0, np.int64),
+            parents=np.zeros(0, np.int32),
+            depths=np.zeros(0, np.int32),
+            counts=np.zeros(0, np.float32),
+            probs=np.zeros(0, np.float32),
+            sources=np.zeros(0, np.uint8),
+        )
+
+    @classmethod
+    def from_sequences(
+        cls,
+        sequences: Iterable[Sequence[int]],
+        weights: Sequence[float] | None = None,
+        sources: Sequence[int] | None = None,
+        max_nodes: int = 16,
+        max_depth: int = 8,
+    ) -> "CandidateTree":
+        """Merge continuations into a trie and keep the `max_nodes` most probable nodes.
+
+        A node's probability is the weight of the continuations through it over the total weight.
+        It never exceeds its parent's, so keeping the best nodes (ties: shallower first, then first
+        seen) always keeps a connected tree.
+        """
+        sequences = [list(s)[:max_depth] for s in sequences]
+        weights = [1.0] * len(sequences) if weights is None else list(weights)
+        sources = [SOURCES.index("general")] * len(sequences) if sources is None else list(sources)
+        trie: dict[tuple[int, ...], list] = {}  # prefix -> [count, source, first_seen]
+        total = 0.0
+        for seq, weight, source in zip(sequences, weights, sources):
+            if not seq or weight <= 0:
+                continue
+            total += weight
+            for depth in range(1, len(seq) + 1):
+                entry = trie.setdefault(tuple(int(t) for t in seq[:depth]), [0.0, int(source), len(trie)])
+                entry[0] += weight
+        if not trie or max_nodes <= 0:
+            return cls.empty()
+        ranked = sorted(trie.items(), key=lambda kv: (-kv[1][0], len(kv[0]), kv[1][2]))[:max_nodes]
+        ranked.sort(key=lambda kv: (len(kv[0]), -kv[1][0], kv[1][2]))  # topological: by depth
+        index = {prefix: i for i, (prefix, _) in enumerate(ranked)}
+        return cls(
+            tokens=np.array([p[-1] for p, _ in ranked], np.int64),
+            parents=np.array([index.get(p[:-1], -1) for p, _ in ranked], np.int32),
+            depths=np.array([len(p) for p, _ in ranked], np.int32),
+            counts=np.array([e[0] for _, e in ranked], np.float32),
+            probs=np.array([e[0] / total for _, e in ranked], np.float32),
+            sources=np.array([e[1] for _, e in ranked], np.uint8),
+        )
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name).tolist() for name in ("tokens", "parents", "depths", "counts", "probs", "sources")}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CandidateTree":
+        dtypes = {"tokens": np.int64, "parents": np.int32, "depths": np.int32,
+                  "counts": np.float32, "probs": np.float32, "sources": np.uint8}
+        return cls(**{name: np.asarray(data[name], dtype) for name, dtype in dtypes.items()})
+
+    def draw(self) -> str:
+        """The tree as indented text, one node a line: token, count, probability, source."""
+        lines = []
+
+        def walk(node: int, indent: str) -> None:
+            for child in self.children(node):
+                lines.append(
+                    f"{indent}{self.tokens[child]}  (count {self.counts[child]:g}, "
+                    f"p {self.probs[child]:.2f}, {SOURCES[self.sources[child]]})"
+                )
+                walk(child, indent + "  ")
+
+        walk(-1, "")
+        return "\n".join(lines) if lines else "(empty tree)"
