@@ -1,0 +1,178 @@
+"""Reading speech-token corpora: JSONL, a JSONL manifest of `.npy` files, or one `.npz`.
+
+Every reader yields `Utterance`s whose tokens are already store-local speech ids (raw id minus
+`speech_offset`, checked against `vocab_size`). Stop ids split an utterance where they occur and never
+enter a store, so no continuation runs through an end-of-speech token.
+
+Formats
+  * JSONL, one utterance a line: ``{"id": "u1", "speaker": "ann", "tokens": [12, 7, ...]}``.
+    Other fields are kept in the catalog. A line may give ``"path": "u1.npy"`` (relative to the
+    file) instead of ``"tokens"``: that makes the JSONL a manifest of per-utterance `.npy` files.
+  * ``.npz`` with ``tokens`` (all utterances concatenated, 1-D ints) and ``lengths`` (1-D ints),
+    optionally ``ids`` and ``speakers`` (1-D string arrays of the same length as ``lengths``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from .errors import CorpusError
+
+
+@dataclass
+class Utterance:
+    id: str
+    speaker: str | None
+    tokens: np.ndarray  # int64, store-local ids, stop ids removed (segments split by -1 if any)
+    where: str  # "file:line" for messages
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """How raw model ids map to store-local ids: local = raw - speech_offset, 0 <= local < size."""
+
+    speech_offset: int = 0
+    size: int | None = None  # None: the largest local id seen + 1
+    stop_ids: tuple[int, ...] = ()  # raw ids that end a segment and are never stored
+
+
+def read_corpus(paths: str | Path | Sequence[str | Path], vocab: Vocabulary) -> Iterator[Utterance]:
+    """Yield the utterances of one or more corpus files, checked and mapped to local ids."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    if not paths:
+        raise CorpusError("no corpus file given")
+    for path in map(Path, paths):
+        if not path.exists():
+            raise CorpusError(f"{path}: corpus file not found")
+        if path.is_dir():
+            raise CorpusError(f"{path}: is a directory; give a .jsonl, a manifest .jsonl or a .npz file")
+        reader = _read_npz if path.suffix == ".npz" else _read_jsonl
+        yield from reader(path, vocab)
+
+
+def _read_jsonl(path: Path, vocab: Vocabulary) -> Iterator[Utterance]:
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CorpusError(f"{where}: not valid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise CorpusError(f"{where}: expected a JSON object with 'tokens', got {type(row).__name__}")
+            if "tokens" in row:
+                raw = row.pop("tokens")
+            elif "path" in row:
+                raw = _load_npy(path.parent / str(row.pop("path")), where)
+            else:
+                raise CorpusError(f"{where}: utterance has no 'tokens' (or 'path' to a .npy file)")
+            yield _utterance(row.pop("id", None), row.pop("speaker", None), raw, where, vocab, extra=row,
+                             default_id=f"{path.stem}:{number}")
+
+
+def _load_npy(path: Path, where: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise CorpusError(f"{where}: cannot read {path}: {e}") from None
+
+
+def _read_npz(path: Path, vocab: Vocabulary) -> Iterator[Utterance]:
+    try:
+        data = np.load(path, allow_pickle=False)
+        tokens, lengths = data["tokens"], data["lengths"]
+        ids = data["ids"] if "ids" in data.files else None
+        speakers = data["speakers"] if "speakers" in data.files else None
+    except KeyError as e:
+        raise CorpusError(f"{path}: .npz needs arrays 'tokens' and 'lengths' (missing {e})") from None
+    except (OSError, ValueError) as e:
+        raise CorpusError(f"{path}: cannot read .npz: {e}") from None
+    if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or np.any(lengths < 0):
+        raise CorpusError(f"{path}: 'lengths' must be a 1-D array of non-negative integers")
+    if int(lengths.sum()) != len(tokens):
+        raise CorpusError(f"{path}: 'lengths' sum to {int(lengths.sum())} but 'tokens' holds {len(tokens)}")
+    for name, arr in (("ids", ids), ("speakers", speakers)):
+        if arr is not None and len(arr) != len(lengths):
+            raise CorpusError(f"{path}: '{name}' has {len(arr)} entries, 'lengths' has {len(lengths)}")
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    for i in range(len(lengths)):
+        speaker = None if speakers is None else str(speakers[i]) or None
+        yield _utterance(None if ids is None else str(ids[i]), speaker, tokens[starts[i]:starts[i + 1]],
+                         f"{path}:utterance {i}", vocab, default_id=f"{path.stem}:{i}")
+
+
+def _utterance(uid, speaker, raw, where: str, vocab: Vocabulary, extra: dict | None = None,
+               default_id: str = "") -> Utterance:
+    if speaker is not None and not isinstance(speaker, (str, int)):
+        raise CorpusError(f"{where}: 'speaker' must be a string")
+    if uid is not None and not isinstance(uid, (str, int)):
+        raise CorpusError(f"{where}: 'id' must be a string")
+    tokens = to_local_ids(raw, where, vocab)
+    speaker = None if speaker in (None, "") else str(speaker)
+    return Utterance(str(uid) if uid is not None else default_id, speaker, tokens, where, extra or {})
+
+
+def to_local_ids(raw, where: str, vocab: Vocabulary) -> np.ndarray:
+    """Check raw ids and map them to local ids; stop ids become -1 (a segment boundary)."""
+    if isinstance(raw, np.ndarray):
+        arr = raw
+    else:
+        if not isinstance(raw, list):
+            raise CorpusError(f"{where}: 'tokens' must be a list of integers")
+        try:
+            arr = np.array(raw)
+        except (OverflowError, ValueError):
+            arr = np.array(raw, dtype=object)
+    if arr.ndim != 1:
+        raise CorpusError(f"{where}: tokens must be a 1-D sequence, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu" and arr.size:
+        bad = next((t for t in arr.tolist() if type(t) is not int), None)
+        if bad is None:
+            raise CorpusError(f"{where}: token id too large for a 64-bit integer")
+        raise CorpusError(f"{where}: token {bad!r} is not an integer")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and arr.min() < 0:
+        raise CorpusError(f"{where}: negative token id {int(arr.min())}")
+    stop = np.isin(arr, np.asarray(vocab.stop_ids, np.int64)) if vocab.stop_ids else None
+    local = arr - vocab.speech_offset
+    speech = local if stop is None else local[~stop]
+    if speech.size:
+        lo, hi = int(speech.min()), int(speech.max())
+        if lo < 0:
+            raise CorpusError(f"{where}: token id {lo + vocab.speech_offset} is below the speech range "
+                              f"(speech_offset {vocab.speech_offset}) and is not a stop id")
+        if vocab.size is not None and hi >= vocab.size:
+            raise CorpusError(f"{where}: token id {hi + vocab.speech_offset} is outside the speech range "
+                              f"{vocab.speech_offset}..{vocab.speech_offset + vocab.size - 1} and is not a stop id")
+    if stop is not None and stop.any():
+        local = np.where(stop, -1, local)
+    return local
+
+
+def split_segments(tokens: np.ndarray) -> list[np.ndarray]:
+    """The non-empty runs of an utterance between stop ids (-1)."""
+    if not tokens.size or tokens.min() >= 0:
+        return [tokens] if tokens.size else []
+    cuts = np.flatnonzero(tokens < 0)
+    parts = (part[part >= 0] for part in np.split(tokens, cuts))
+    return [part for part in parts if part.size]
+
+
+def collect(utterances: Iterable[Utterance], per_speaker: bool) -> list[Utterance]:
+    """Materialise a corpus, checking what a build needs of it as a whole."""
+    out = []
+    for utt in utterances:
+        if per_speaker and utt.speaker is None:
+            raise CorpusError(f"{utt.where}: utterance {utt.id!r} has no 'speaker', "
+                              "but per-speaker stores were asked for (use --no-per-speaker or add speakers)")
+        out.append(utt)
+    return out

@@ -1,0 +1,9 @@
+"""Exceptions with messages meant for the person who typed the command."""
+
+
+class DatastoreError(Exception):
+    """A datastore cannot be built, opened or changed: missing, truncated, wrong version, bad option."""
+
+
+class CorpusError(DatastoreError):
+    """The corpus is unusable; the message names the file and, where there is one, the line."""

@@ -1,0 +1,379 @@
+"""Build, enroll into and open a datastore: a directory holding a general exact store, per-speaker
+exact stores, an optional FAISS store and the SQLite catalog that describes them.
+
+Layout
+  STORE/catalog.sqlite               catalog (see catalog.py); written last, so no catalog = no store
+  STORE/general/{tokens,sa,first}.npy
+  STORE/speakers/<slug>-<gen>/{tokens,sa,first}.npy   one directory per speaker, replaced whole on enroll
+  STORE/faiss/{index.faiss,embeddings.npy}            optional (see faiss_store.py)
+
+Every write goes to a temporary directory, is fsynced and renamed into place, so an interrupted build
+or enrollment leaves either the old datastore or nothing that looks like one.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from . import catalog
+from .corpus import Utterance, Vocabulary, collect, read_corpus, split_segments
+from .errors import CorpusError, DatastoreError
+from .exact import ExactStore, stream_dtype, write_exact_store
+
+N_MIN = 1
+"""Shortest context suffix an exact store matches. One token still beats no proposal (see retriever)."""
+N_MAX = 16
+"""Longest context suffix an exact store sorts and matches to (REST also stops at 16)."""
+
+Corpus = "str | Path | Sequence[str | Path]"
+
+
+def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embeddings=None,
+          speech_offset: int = 0, vocab_size: int | None = None, stop_ids: Iterable[int] = (),
+          n_min: int = N_MIN, n_max: int = N_MAX, force: bool = False, progress: bool = True,
+          faiss_options: dict | None = None) -> "Datastore":
+    """Build a datastore from a corpus (JSONL, JSONL manifest of .npy, or .npz; see corpus.py).
+
+    `speech_offset`, `vocab_size` and `stop_ids` map raw model ids to store-local speech ids
+    (local = raw - speech_offset, 0 <= local < vocab_size; stop ids end a segment and are never
+    stored). `per_speaker` builds one exact store per speaker besides the general one; `faiss`
+    adds a FAISS store whose context vectors come from `embeddings` (a .npy or .safetensors table)
+    or, when None, from the corpus. An existing `store_dir` is replaced only with `force`.
+    """
+    _check_build_options(vocab_size, speech_offset, n_min, n_max)
+    target = Path(store_dir)
+    _check_target(target, force)
+    vocab = Vocabulary(int(speech_offset), None if vocab_size is None else int(vocab_size),
+                       tuple(int(s) for s in stop_ids))
+    started = time.perf_counter()
+    bar = tqdm(desc="reading corpus", unit=" utt", disable=not progress, leave=False)
+    utterances = collect(_counted(read_corpus(corpus, vocab), bar), per_speaker)
+    bar.close()
+    segments = [split_segments(u.tokens) for u in utterances]
+    n_tokens = sum(len(s) for segs in segments for s in segs)
+    if n_tokens == 0:
+        raise CorpusError(f"{_corpus_name(corpus)}: corpus is empty (no speech tokens)")
+    if vocab.size is None:
+        vocab = Vocabulary(vocab.speech_offset, max(int(s.max()) for segs in segments for s in segs) + 1,
+                           vocab.stop_ids)
+    speakers = _group_by_speaker(utterances, segments) if per_speaker else {}
+    tmp = target.parent / f".{target.name}.building-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    try:
+        steps = tqdm(total=1 + len(speakers) + bool(faiss), desc="building", unit=" store",
+                     disable=not progress)
+        db = catalog.create(tmp, _meta(vocab, n_min, n_max, per_speaker, faiss, corpus))
+        all_segments = [s for segs in segments for s in segs]
+        steps.set_description("general store")
+        counts = write_exact_store(tmp / "general", all_segments, vocab.size, n_max)
+        _record_store(db, tmp, "general", tmp / "general", None, len(utterances), counts)
+        steps.update()
+        for name, (utts, segs) in speakers.items():
+            steps.set_description(f"speaker {name}")
+            directory = tmp / "speakers" / _speaker_dir(name)
+            counts = write_exact_store(directory, segs, vocab.size, n_max)
+            _record_store(db, tmp, f"speaker:{name}", directory, name, len(utts), counts)
+            steps.update()
+        if faiss:
+            steps.set_description("faiss store")
+            from .faiss_store import write_faiss_store
+            info = write_faiss_store(tmp / "faiss", tmp / "general", vocab.size, embeddings,
+                                     **(faiss_options or {}))
+            _record_store(db, tmp, "faiss", tmp / "faiss", None, len(utterances),
+                          {"tokens": info.pop("vectors"), "segments": 0}, kind="faiss", params=info)
+            steps.update()
+        _insert_utterances(db, utterances)
+        catalog.set_meta(db, {"build_seconds": round(time.perf_counter() - started, 3)})
+        db.conn.close()
+        _fsync_tree(tmp)
+        steps.close()
+        _replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return open_datastore(target)
+
+
+def enroll(store_dir, speaker: str, corpus, replace: bool = False, progress: bool = False) -> "Datastore":
+    """Add utterances to one speaker's store (or replace it with `replace`), leaving every other
+    store's files untouched. Crash-safe: the new store is written to a temporary directory, fsynced
+    and renamed into place, and its catalog rows change in one transaction; a reader that opened the
+    old store keeps its memory maps (the old files' inodes) until it reopens."""
+    root = Path(store_dir)
+    speaker = str(speaker).strip()
+    if not speaker:
+        raise DatastoreError("speaker name must not be empty")
+    with _locked(root):
+        ds = open_datastore(root)
+        vocab = Vocabulary(ds.speech_offset, ds.vocab_size, ds.stop_ids)
+        new = list(read_corpus(corpus, vocab))
+        segments = [s for u in new for s in split_segments(u.tokens)]
+        if not segments:
+            raise CorpusError(f"{_corpus_name(corpus)}: corpus is empty (no speech tokens)")
+        old_dir = ds._speaker_dirs.get(speaker)
+        old_rows = ds.catalog_speaker(speaker)
+        if old_dir is not None and not replace:
+            segments = ds.speaker_store(speaker).segments() + segments
+        n_utts = len(new) + (old_rows["utterances"] if old_rows and not replace else 0)
+        final = root / "speakers" / _speaker_dir(speaker)
+        tmp = root / f".enroll-{uuid.uuid4().hex[:8]}"
+        try:
+            counts = write_exact_store(tmp, segments, ds.vocab_size, ds.sort_depth)
+            _fsync_tree(tmp)
+            final.parent.mkdir(exist_ok=True)
+            os.rename(tmp, final)
+            _fsync_dir(final.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        db = catalog.open_catalog(root)
+        with db.atomic():  # one transaction: the catalog points at the old store or the new one
+            _record_store(db, root, f"speaker:{speaker}", final, speaker, n_utts, counts)
+            if replace:
+                db["utterances"].delete_where("speaker = ?", [speaker])
+            for u in new:
+                u.speaker = speaker
+            _insert_utterances(db, new)
+            catalog.set_meta(db, {"updated_at": catalog.now()})
+        db.conn.close()
+        if old_dir is not None:
+            shutil.rmtree(old_dir, ignore_errors=True)
+    return open_datastore(root)
+
+
+def open_datastore(store_dir, verify: bool = False) -> "Datastore":
+    """Open a datastore: read the catalog, check the format version and every file's size (and
+    sha256 with `verify`), and memory-map the general store. Speaker stores map on first use."""
+    return Datastore(Path(store_dir), verify)
+
+
+class Datastore:
+    """An open datastore. Thread-safe for reads; stores are memory-mapped."""
+
+    def __init__(self, root: Path, verify: bool = False):
+        self.root = root
+        db = catalog.open_catalog(root)
+        try:
+            catalog.check_files(db, root, verify)
+            self.meta = catalog.read_meta(db)
+            self._stores = {row["name"]: row for row in db["stores"].rows}
+            self._speakers = {row["name"]: row for row in db["speakers"].rows}
+        finally:
+            db.conn.close()
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.speech_offset = int(self.meta["speech_offset"])
+        self.stop_ids = tuple(self.meta["stop_ids"])
+        self.n_min, self.n_max = int(self.meta["n_min"]), int(self.meta["n_max"])
+        self.sort_depth = int(self.meta["sort_depth"])
+        self._speaker_dirs = {name: root / self._stores[row["store"]]["directory"]
+                              for name, row in self._speakers.items()}
+        self.general = ExactStore(root / self._stores["general"]["directory"], self.vocab_size)
+        self._speaker_stores: dict[str, ExactStore] = {}
+        self._faiss = None
+        self._lock = threading.Lock()
+
+    @property
+    def speakers(self) -> tuple[str, ...]:
+        return tuple(sorted(self._speakers))
+
+    @property
+    def has_faiss(self) -> bool:
+        return "faiss" in self._stores
+
+    def speaker_store(self, speaker: str) -> ExactStore | None:
+        """The speaker's exact store, or None for an unknown speaker."""
+        store = self._speaker_stores.get(speaker)
+        if store is None and speaker in self._speaker_dirs:
+            with self._lock:
+                store = self._speaker_stores.get(speaker)
+                if store is None:
+                    store = ExactStore(self._speaker_dirs[speaker], self.vocab_size)
+                    self._speaker_stores[speaker] = store
+        return store
+
+    def faiss_store(self):
+        """The FAISS store, or None when the datastore was built without one."""
+        if self._faiss is None and self.has_faiss:
+            with self._lock:
+                if self._faiss is None:
+                    from .faiss_store import FaissStore
+                    row = self._stores["faiss"]
+                    self._faiss = FaissStore(self.root / row["directory"], self.vocab_size, self.general,
+                                             json.loads(row["params"] or "{}"))
+        return self._faiss
+
+    def catalog_speaker(self, speaker: str) -> dict | None:
+        return self._speakers.get(speaker)
+
+    def verify(self) -> None:
+        """Check every file's size and sha256 against the catalog; raises DatastoreError."""
+        db = catalog.open_catalog(self.root)
+        try:
+            catalog.check_files(db, self.root, verify=True)
+        finally:
+            db.conn.close()
+
+    def info(self) -> dict:
+        """Everything the catalog knows, as JSON-ready data (what `echospec info --json` prints)."""
+        stores = []
+        for row in sorted(self._stores.values(), key=lambda r: (r["kind"] != "exact", r["name"] != "general",
+                                                                 r["name"])):
+            entry = {k: row[k] for k in ("name", "kind", "directory", "speaker", "utterances", "tokens",
+                                         "bytes", "created_at")}
+            entry["params"] = json.loads(row["params"] or "{}")
+            if row["kind"] == "exact":
+                entry["bytes_per_token"] = round(row["bytes"] / max(row["tokens"], 1), 3)
+            else:
+                entry["vectors"] = entry.pop("tokens")
+            stores.append(entry)
+        general = self._stores["general"]
+        meta = self.meta
+        return {
+            "path": str(self.root),
+            "format_version": meta["format_version"],
+            "vocabulary": {"speech_offset": self.speech_offset, "size": self.vocab_size,
+                           "stop_ids": list(self.stop_ids), "dtype": meta["dtype"]},
+            "n_min": self.n_min, "n_max": self.n_max,
+            "utterances": general["utterances"], "tokens": general["tokens"],
+            "speakers": {name: {"utterances": r["utterances"], "tokens": r["tokens"],
+                                "enrolled_at": r["enrolled_at"]} for name, r in sorted(self._speakers.items())},
+            "exact_bytes": sum(r["bytes"] for r in self._stores.values() if r["kind"] == "exact"),
+            "general_bytes_per_token": round(general["bytes"] / max(general["tokens"], 1), 3),
+            "faiss_bytes": sum(r["bytes"] for r in self._stores.values() if r["kind"] == "faiss"),
+            "stores": stores,
+            "build": meta.get("build", {}),
+            "build_seconds": meta.get("build_seconds"),
+            "created_at": meta["created_at"], "updated_at": meta["updated_at"],
+        }
+
+    def __repr__(self) -> str:
+        return (f"Datastore({str(self.root)!r}, tokens={self._stores['general']['tokens']}, "
+                f"speakers={len(self._speakers)}, faiss={self.has_faiss})")
+
+
+def _check_build_options(vocab_size, speech_offset, n_min, n_max) -> None:
+    if vocab_size is not None and not (0 < int(vocab_size) < 2**32 - 1):
+        raise DatastoreError(f"vocab_size must be between 1 and {2**32 - 2}, got {vocab_size}")
+    if int(speech_offset) < 0:
+        raise DatastoreError(f"speech_offset must be >= 0, got {speech_offset}")
+    if not 1 <= int(n_min) <= int(n_max) <= 64:
+        raise DatastoreError(f"need 1 <= n_min <= n_max <= 64, got n_min={n_min}, n_max={n_max}")
+
+
+def _check_target(target: Path, force: bool) -> None:
+    if not target.exists():
+        return
+    if not force:
+        raise DatastoreError(f"{target}: already exists (use --force / force=True to replace it)")
+    is_store = (target / catalog.CATALOG).is_file()
+    if not target.is_dir() or not (is_store or not any(target.iterdir())):
+        raise DatastoreError(f"{target}: exists and is not a datastore; refusing to replace it")
+
+
+def _counted(items, bar):
+    for item in items:
+        bar.update()
+        yield item
+
+
+def _corpus_name(corpus) -> str:
+    return str(corpus) if isinstance(corpus, (str, Path)) else ", ".join(map(str, corpus))
+
+
+def _group_by_speaker(utterances: list[Utterance], segments: list[list[np.ndarray]]) -> dict:
+    groups: dict[str, tuple[list, list]] = {}
+    for utt, segs in zip(utterances, segments):
+        utts, all_segs = groups.setdefault(utt.speaker, ([], []))
+        utts.append(utt)
+        all_segs.extend(segs)
+    return dict(sorted(groups.items()))
+
+
+def _meta(vocab: Vocabulary, n_min, n_max, per_speaker, faiss, corpus) -> dict:
+    return {"vocab_size": vocab.size, "speech_offset": vocab.speech_offset, "stop_ids": list(vocab.stop_ids),
+            "dtype": stream_dtype(vocab.size).name, "n_min": int(n_min), "n_max": int(n_max),
+            "sort_depth": int(n_max),
+            "build": {"corpus": _corpus_name(corpus), "per_speaker": per_speaker, "faiss": bool(faiss)}}
+
+
+def _speaker_dir(name: str) -> str:
+    """A file-system-safe, unique, fresh directory name for a speaker's store."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:40].strip(".") or "speaker"
+    tag = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{slug}-{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def _record_store(db, root: Path, name: str, directory: Path, speaker: str | None, n_utts: int,
+                  counts: dict, kind: str = "exact", params: dict | None = None) -> None:
+    size = catalog.record_files(db, root, name, directory)
+    stamp = catalog.now()
+    db["stores"].upsert({"name": name, "kind": kind, "directory": directory.relative_to(root).as_posix(),
+                         "speaker": speaker, "utterances": n_utts, "segments": counts["segments"],
+                         "tokens": counts["tokens"], "bytes": size, "created_at": stamp,
+                         "params": json.dumps(params or {})}, pk="name")
+    if speaker is not None:
+        db["speakers"].upsert({"name": speaker, "store": name, "utterances": n_utts, "tokens": counts["tokens"],
+                               "enrolled_at": stamp}, pk="name")
+
+
+def _insert_utterances(db, utterances: list[Utterance]) -> None:
+    db["utterances"].insert_all(
+        ({"id": u.id, "speaker": u.speaker, "tokens": int((u.tokens >= 0).sum()), "source": u.where,
+          "extra": json.dumps(u.extra) if u.extra else None} for u in utterances), batch_size=2000)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*"), reverse=True):
+        if path.is_file():
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+        else:
+            _fsync_dir(path)
+    _fsync_dir(root)
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    """Rename `tmp` to `target`; an existing target (checked by _check_target) is swapped out first."""
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(target, old)
+    os.rename(tmp, target)
+    _fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def _locked(root: Path):
+    """Serialise writers of one datastore (two enrolls must not both append to the same old store)."""
+    if not (root / catalog.CATALOG).is_file():
+        open_datastore(root)  # raises the right error
+    with open(root / ".lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

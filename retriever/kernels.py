@@ -1,0 +1,255 @@
+"""Numba kernels of the proposer: suffix-array matching, continuation gathering and the trie.
+
+Everything a `propose` call does per token lives here, compiled (`cache=True`, `nogil=True` so
+threads can propose in parallel); the Python side only picks stores and wraps the result.
+Continuations are gathered as rows of a [rows, max_depth] int64 table padded with -1, each row with
+a source, a count weight (estimated support) and a probability weight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+N_SOURCES = 4
+
+
+@njit(cache=True, nogil=True)
+def context_is_valid(ctx, vocab_size):
+    for i in range(ctx.shape[0]):
+        if ctx[i] < 0 or ctx[i] >= vocab_size:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def match(tokens, sa, first, ctx, n_max, los, his):
+    """Deepest k <= n_max such that the context's last k tokens occur in the store.
+
+    los[d], his[d] receive the sa range of the last d tokens for d = 1..k. `sa` is sorted by the
+    reversed n-gram, so each extra token to the left narrows the range by two binary searches.
+    """
+    n = ctx.shape[0]
+    vocab = first.shape[0] - 1
+    if n == 0:
+        return 0
+    c = ctx[n - 1]
+    if c < 0 or c >= vocab:
+        return 0
+    lo = first[c]
+    hi = first[c + 1]
+    if lo >= hi:
+        return 0
+    los[1] = lo
+    his[1] = hi
+    k = 1
+    limit = min(n_max, n)
+    while k < limit:
+        c = ctx[n - 1 - k]
+        a = lo
+        b = hi
+        while a < b:
+            m = (a + b) >> 1
+            if tokens[sa[m] - k] < c:
+                a = m + 1
+            else:
+                b = m
+        new_lo = a
+        b = hi
+        while a < b:
+            m = (a + b) >> 1
+            if tokens[sa[m] - k] <= c:
+                a = m + 1
+            else:
+                b = m
+        if a == new_lo:
+            break
+        lo = new_lo
+        hi = a
+        k += 1
+        los[k] = lo
+        his[k] = hi
+    return k
+
+
+@njit(cache=True, nogil=True)
+def copy_continuation(stream, start, stop_at, out, row):
+    """out[row] = stream[start:] up to the row's width, cut at the first id >= stop_at, -1 padded."""
+    width = out.shape[1]
+    end = min(stream.shape[0], start + width)
+    t = 0
+    while start + t < end:
+        v = stream[start + t]
+        if v >= stop_at:
+            break
+        out[row, t] = v
+        t += 1
+    for u in range(t, width):
+        out[row, u] = -1
+    return t
+
+
+@njit(cache=True, nogil=True)
+def gather_store(tokens, sa, first, ctx, n_min, n_max, min_support, cap, out, row0):
+    """Continuations of the longest context suffix (n_min..n_max) with at least `min_support`
+    occurrences (the longest match when none has that many). At most `cap` occurrences, spread
+    evenly over the match range, so the sample is deterministic and not biased to one side.
+    Returns (rows written, match length, occurrences)."""
+    los = np.empty(n_max + 1, np.int64)
+    his = np.empty(n_max + 1, np.int64)
+    k = match(tokens, sa, first, ctx, n_max, los, his)
+    if k < n_min:
+        return 0, k, 0
+    d = k
+    while d > n_min and his[d] - los[d] < min_support:
+        d -= 1
+    if his[d] - los[d] < min_support:
+        d = k
+    lo = los[d]
+    count = his[d] - lo
+    m = min(count, cap, out.shape[0] - row0)
+    vocab = first.shape[0] - 1
+    for j in range(m):
+        copy_continuation(tokens, sa[lo + (j * count) // m] + 1, vocab, out, row0 + j)
+    return m, d, count
+
+
+@njit(cache=True, nogil=True)
+def gather_prompt(ctx, n_min, n_max, cap, window, out, row0):
+    """Prompt lookup: earlier places in the context itself (prompt speech + output so far) whose
+    last tokens equal the context's longest-matching suffix; the most recent `cap` of them.
+    Returns (rows written, match length)."""
+    n = ctx.shape[0]
+    best = 0
+    m = 0
+    cap = min(cap, out.shape[0] - row0)
+    for j in range(n - 2, max(-1, n - 2 - window), -1):
+        length = 0
+        while length < n_max and j - length >= 0 and ctx[j - length] == ctx[n - 1 - length]:
+            length += 1
+        if length < n_min or length < best:
+            continue
+        if length > best:
+            best = length
+            m = 0
+        if m < cap:
+            copy_continuation(ctx, j + 1, 1 << 62, out, row0 + m)
+            m += 1
+    return m, best
+
+
+@njit(cache=True, nogil=True)
+def gather_positions(tokens, positions, vocab, out, row0):
+    """Continuations following given stream positions (the FAISS store's neighbours)."""
+    m = min(positions.shape[0], out.shape[0] - row0)
+    for j in range(m):
+        copy_continuation(tokens, positions[j] + 1, vocab, out, row0 + j)
+    return m
+
+
+@njit(cache=True, nogil=True)
+def build_tree(conts, n_rows, wcount, wprob, src, max_nodes):
+    """Merge continuation rows into a trie and keep the `max_nodes` most probable nodes.
+
+    A node's probability is the summed probability weight of the rows through it; it never exceeds
+    its parent's, so best-first expansion from the root (ties: shallower, then first created) keeps
+    exactly the global top nodes and always a connected tree. Output is sorted by depth, then
+    probability, i.e. topological. Returns tokens, parents, depths, counts, probs, sources.
+    """
+    width = conts.shape[1]
+    cap_nodes = n_rows * width
+    tok = np.empty(cap_nodes, np.int64)
+    par = np.empty(cap_nodes, np.int64)
+    dep = np.empty(cap_nodes, np.int64)
+    cnt = np.zeros(cap_nodes, np.float64)
+    prb = np.zeros(cap_nodes, np.float64)
+    srcw = np.zeros((cap_nodes, N_SOURCES), np.float64)
+    child = np.empty(cap_nodes, np.int64)
+    sibling = np.empty(cap_nodes, np.int64)
+    root_child = -1
+    nodes = 0
+    for r in range(n_rows):
+        node = -1
+        for t in range(width):
+            v = conts[r, t]
+            if v < 0:
+                break
+            c = root_child if node < 0 else child[node]
+            while c >= 0 and tok[c] != v:
+                c = sibling[c]
+            if c < 0:
+                c = nodes
+                nodes += 1
+                tok[c] = v
+                par[c] = node
+                dep[c] = t + 1
+                child[c] = -1
+                if node < 0:
+                    sibling[c] = root_child
+                    root_child = c
+                else:
+                    sibling[c] = child[node]
+                    child[node] = c
+            cnt[c] += wcount[r]
+            prb[c] += wprob[r]
+            srcw[c, src[r]] += wprob[r]
+            node = c
+    keep = np.empty(min(max_nodes, nodes), np.int64)
+    frontier = np.empty(nodes, np.int64)
+    n_front = 0
+    c = root_child
+    while c >= 0:
+        frontier[n_front] = c
+        n_front += 1
+        c = sibling[c]
+    n_keep = 0
+    while n_keep < keep.shape[0] and n_front > 0:
+        best = 0
+        for f in range(1, n_front):
+            a = frontier[f]
+            b = frontier[best]
+            if prb[a] > prb[b] or (prb[a] == prb[b] and (dep[a] < dep[b] or (dep[a] == dep[b] and a < b))):
+                best = f
+        chosen = frontier[best]
+        keep[n_keep] = chosen
+        n_keep += 1
+        n_front -= 1
+        frontier[best] = frontier[n_front]
+        c = child[chosen]
+        while c >= 0:
+            frontier[n_front] = c
+            n_front += 1
+            c = sibling[c]
+    # Insertion sort by (depth, -probability, creation): parents come first.
+    for i in range(1, n_keep):
+        x = keep[i]
+        j = i - 1
+        while j >= 0:
+            y = keep[j]
+            if dep[y] < dep[x] or (dep[y] == dep[x] and (prb[y] > prb[x] or (prb[y] == prb[x] and y < x))):
+                break
+            keep[j + 1] = y
+            j -= 1
+        keep[j + 1] = x
+    index = np.full(nodes, -1, np.int64)
+    for i in range(n_keep):
+        index[keep[i]] = i
+    out_tok = np.empty(n_keep, np.int64)
+    out_par = np.empty(n_keep, np.int32)
+    out_dep = np.empty(n_keep, np.int32)
+    out_cnt = np.empty(n_keep, np.float32)
+    out_prb = np.empty(n_keep, np.float32)
+    out_src = np.empty(n_keep, np.uint8)
+    for i in range(n_keep):
+        c = keep[i]
+        out_tok[i] = tok[c]
+        out_par[i] = -1 if par[c] < 0 else index[par[c]]
+        out_dep[i] = dep[c]
+        out_cnt[i] = cnt[c]
+        out_prb[i] = min(prb[c], 1.0)
+        best_src = 0
+        for s in range(1, N_SOURCES):
+            if srcw[c, s] > srcw[c, best_src]:
+                best_src = s
+        out_src[i] = best_src
+    return out_tok, out_par, out_dep, out_cnt, out_prb, out_src

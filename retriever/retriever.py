@@ -1,0 +1,151 @@
+"""Retriever: context -> CandidateTree in microseconds.
+
+Sources, in order: prompt lookup (the request's own prompt speech and output so far), the speaker's
+exact store, the general exact store, and the FAISS store when the exact stores matched too little.
+Each source yields continuation rows; a source's rows share its weight equally, so a node's
+probability is the weighted mix of each source's continuation frequencies (SuffixDecoding turns
+counts into probabilities the same way). The merged trie keeps the `max_nodes` most probable nodes
+up to `max_depth`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from numba import njit
+
+from ..datastore import Datastore, open_datastore
+from . import kernels
+from .tree import CandidateTree
+
+DEFAULT_WEIGHTS = (1.0, 2.0, 1.0, 0.5)
+"""Source weights (prompt, speaker, general, faiss): a speaker's own continuations are the most
+predictive of that speaker's next tokens; FAISS neighbours only approximately share the context."""
+
+
+@njit(cache=True, nogil=True)
+def _gather_exact(ctx, g_tokens, g_sa, g_first, s_tokens, s_sa, s_first, use_speaker, use_prompt,
+                  n_min, n_max, prompt_n_min, min_support, cap, window, max_depth, extra_rows):
+    """Rows of prompt, speaker and general continuations; stats[s] = (first row, rows, match, occurrences)."""
+    conts = np.empty((3 * cap + extra_rows, max_depth), np.int64)
+    stats = np.zeros((4, 4), np.int64)
+    row = 0
+    if use_prompt:
+        m, k = kernels.gather_prompt(ctx, prompt_n_min, n_max, cap, window, conts, row)
+        stats[0, 0] = row
+        stats[0, 1] = m
+        stats[0, 2] = k
+        stats[0, 3] = m
+        row += m
+    if use_speaker:
+        m, k, occ = kernels.gather_store(s_tokens, s_sa, s_first, ctx, n_min, n_max, min_support, cap, conts, row)
+        stats[1, 0] = row
+        stats[1, 1] = m
+        stats[1, 2] = k
+        stats[1, 3] = occ
+        row += m
+    m, k, occ = kernels.gather_store(g_tokens, g_sa, g_first, ctx, n_min, n_max, min_support, cap, conts, row)
+    stats[2, 0] = row
+    stats[2, 1] = m
+    stats[2, 2] = k
+    stats[2, 3] = occ
+    stats[3, 0] = row + m
+    return conts, stats
+
+
+@njit(cache=True, nogil=True)
+def _finish(conts, stats, weights, max_nodes):
+    """Weigh each source's rows (weight x match length, shared equally by its rows) and build the tree."""
+    n_rows = stats[3, 0] + stats[3, 1]
+    wcount = np.zeros(n_rows, np.float64)
+    wprob = np.zeros(n_rows, np.float64)
+    src = np.zeros(n_rows, np.int64)
+    total = 0.0
+    for s in range(4):
+        if stats[s, 1] > 0:
+            total += weights[s] * stats[s, 2]
+    for s in range(4):
+        m = stats[s, 1]
+        if m == 0:
+            continue
+        trust = weights[s] * stats[s, 2]
+        for r in range(stats[s, 0], stats[s, 0] + m):
+            wcount[r] = weights[s] * stats[s, 3] / m
+            wprob[r] = trust / m / total
+            src[r] = s
+    return kernels.build_tree(conts, n_rows, wcount, wprob, src, max_nodes)
+
+
+class Retriever:
+    """Proposes candidate trees from a datastore. Deterministic; thread-safe (calls share nothing
+    mutable, and the kernels release the GIL).
+
+    max_nodes, max_depth  default budget of a proposal (the retrieval paper verifies 16 candidates)
+    prompt_lookup         also match the context against itself
+    use_faiss             consult the FAISS store when exact stores matched fewer than
+                          `faiss_below` tokens
+    cap                   most occurrences sampled per exact source (evenly over the match range)
+    min_support           back off to a shorter suffix until it has this many occurrences
+    weights               source weights (prompt, speaker, general, faiss)
+    """
+
+    def __init__(self, store: str | Path | Datastore, max_nodes: int = 16, max_depth: int = 8,
+                 prompt_lookup: bool = True, use_faiss: bool = True, cap: int = 64, min_support: int = 2,
+                 n_min: int | None = None, n_max: int | None = None, prompt_n_min: int = 2,
+                 prompt_window: int = 4096, faiss_below: int = 2, faiss_k: int = 16,
+                 weights: tuple[float, float, float, float] = DEFAULT_WEIGHTS):
+        self.datastore = store if isinstance(store, Datastore) else open_datastore(store)
+        ds = self.datastore
+        self.max_nodes, self.max_depth = int(max_nodes), int(max_depth)
+        self.n_min = ds.n_min if n_min is None else int(n_min)
+        self.n_max = ds.n_max if n_max is None else min(int(n_max), ds.sort_depth)
+        if not 1 <= self.n_min <= self.n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}")
+        if self.max_nodes < 0 or self.max_depth < 1:
+            raise ValueError("max_nodes must be >= 0 and max_depth >= 1")
+        self.prompt_lookup = bool(prompt_lookup)
+        self.faiss = ds.faiss_store() if use_faiss else None
+        self.cap, self.min_support = int(cap), int(min_support)
+        self.prompt_n_min, self.prompt_window = int(prompt_n_min), int(prompt_window)
+        self.faiss_below, self.faiss_k = int(faiss_below), int(faiss_k)
+        self.weights = np.asarray(weights, np.float64)
+        if self.weights.shape != (4,) or np.any(self.weights < 0):
+            raise ValueError("weights must be 4 non-negative numbers (prompt, speaker, general, faiss)")
+        self.vocab_size = ds.vocab_size
+        self._general = (ds.general.tokens, ds.general.sa, ds.general.first)
+
+    @property
+    def speakers(self) -> tuple[str, ...]:
+        return self.datastore.speakers
+
+    def propose(self, context, speaker: str | None = None, max_nodes: int | None = None,
+                max_depth: int | None = None) -> CandidateTree:
+        """Candidate continuations of `context` (1-D ints, store-local ids: the request's prompt
+        speech tokens followed by its output so far). Raises ValueError for ids outside the
+        vocabulary or an unknown speaker."""
+        ctx = np.asarray(context, dtype=np.int64)
+        if ctx.ndim != 1:
+            raise ValueError(f"context must be 1-D, got shape {ctx.shape}")
+        if not kernels.context_is_valid(ctx, self.vocab_size):
+            raise ValueError(f"context ids must be in 0..{self.vocab_size - 1}")
+        max_nodes = self.max_nodes if max_nodes is None else int(max_nodes)
+        max_depth = self.max_depth if max_depth is None else int(max_depth)
+        if len(ctx) == 0 or max_nodes <= 0 or max_depth <= 0:
+            return CandidateTree.empty()
+        g = self._general
+        s = g
+        if speaker is not None:
+            store = self.datastore.speaker_store(speaker)
+            if store is None:
+                raise ValueError(f"unknown speaker {speaker!r}")
+            s = (store.tokens, store.sa, store.first)
+        faiss = self.faiss
+        conts, stats = _gather_exact(ctx, *g, *s, speaker is not None, self.prompt_lookup, self.n_min,
+                                     self.n_max, self.prompt_n_min, self.min_support, self.cap,
+                                     self.prompt_window, max_depth, 0 if faiss is None else self.faiss_k)
+        if faiss is not None and max(stats[1, 2], stats[2, 2]) < self.faiss_below:
+            positions = faiss.search(ctx, self.faiss_k)
+            m = kernels.gather_positions(g[0], positions, self.vocab_size, conts, stats[3, 0])
+            stats[3, 1:] = (m, 1, m)
+        return CandidateTree(*_finish(conts, stats, self.weights, max_nodes))

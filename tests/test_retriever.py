@@ -1,0 +1,59 @@
+"""Retriever: proposals follow the corpus, respect the budget, are deterministic."""
+
+import json
+
+import numpy as np
+import pytest
+
+from echospec.datastore import build, open_datastore
+from echospec.datastore.synthetic import speech_like_corpus, write_jsonl
+from echospec.retriever import SOURCES, CandidateTree, Retriever
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return speech_like_corpus(20_000, vocab_size=512, n_speakers=3, seed=3)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, corpus):
+    root = tmp_path_factory.mktemp("retriever")
+    write_jsonl(corpus, root / "corpus.jsonl")
+    build(root / "corpus.jsonl", root / "store", faiss=False, progress=False)
+    return root / "store"
+
+
+def test_propose_follows_the_corpus(store, corpus):
+    r = Retriever(store)
+    utt = corpus[7]["tokens"]
+    tree = r.propose(np.array(utt[:30]), speaker=corpus[7]["speaker"])
+    assert isinstance(tree, CandidateTree) and 0 < len(tree) <= 16
+    assert tree.max_depth <= 8
+    assert np.all(tree.parents < np.arange(len(tree)))
+    assert np.all(np.diff(tree.depths) >= 0)
+    assert tree.tokens[tree.depths == 1].size >= 1
+    # the root's most probable child is a token that followed the context's last token somewhere
+    stream = [t for u in corpus for t in u["tokens"] + [-1]]
+    followers = {stream[i + 1] for i in range(len(stream) - 1) if stream[i] == utt[29]}
+    assert set(tree.tokens[tree.depths == 1].tolist()) <= followers | set(utt[:30])
+
+
+def test_propose_is_deterministic_and_bounded(store, corpus):
+    r = Retriever(store, max_nodes=16, max_depth=8)
+    ctx = np.array(corpus[3]["tokens"][:25])
+    a, b = r.propose(ctx), r.propose(ctx)
+    assert a.to_dict() == b.to_dict()
+    small = r.propose(ctx, max_nodes=4, max_depth=2)
+    assert len(small) <= 4 and small.max_depth <= 2
+    assert np.all((small.probs > 0) & (small.probs <= 1))
+    assert set(small.sources.tolist()) <= set(range(len(SOURCES)))
+
+
+def test_bad_context_and_speaker(store):
+    r = Retriever(store)
+    with pytest.raises(ValueError, match="0..511"):
+        r.propose([1, 2, 512])
+    with pytest.raises(ValueError, match="unknown speaker"):
+        r.propose([1, 2, 3], speaker="nobody")
+    assert len(r.propose([])) == 0
+    assert r.vocab_size == 512 and r.speakers == ("spk00", "spk01", "spk02")
