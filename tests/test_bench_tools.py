@@ -1,0 +1,156 @@
+"""The benchmark's own tools: the synthetic speech-like corpus and the plain REST reference."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from echospec.tools.rest_reference import SEPARATOR, RestReference, suffix_array, trie_of
+from echospec.tools.synth_corpus import Corpus, SynthConfig, cli, generate, write_jsonl
+
+SMALL = SynthConfig(n_tokens=60_000, n_speakers=8, n_phrases=500, seed=3)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    return generate(SMALL)
+
+
+def ngram_counts(tokens: np.ndarray, n: int) -> np.ndarray:
+    grams = np.lib.stride_tricks.sliding_window_view(tokens, n)
+    return np.unique(grams, axis=0, return_counts=True)[1]
+
+
+# --- synthetic corpus -------------------------------------------------------------------------------------
+
+
+def test_same_seed_same_corpus_other_seed_other_corpus(corpus):
+    again = generate(SMALL)
+    assert np.array_equal(again.tokens, corpus.tokens) and np.array_equal(again.offsets, corpus.offsets)
+    other = generate(SynthConfig(**{**SMALL.__dict__, "seed": 4}))
+    assert not np.array_equal(other.tokens[:1000], corpus.tokens[:1000])
+
+
+def test_sizes_and_ranges(corpus):
+    lengths = np.diff(corpus.offsets)
+    assert corpus.offsets[-1] == len(corpus.tokens) >= SMALL.n_tokens
+    assert lengths.min() >= 50 and lengths.max() <= 375  # 2-15 s at 25 tokens/s
+    assert corpus.tokens.min() >= 0 and corpus.tokens.max() < SMALL.vocab
+    assert len(np.unique(corpus.tokens)) > SMALL.vocab // 3  # the vocabulary is really used
+    assert len(np.unique(corpus.speakers)) == SMALL.n_speakers
+
+
+def test_phones_span_several_frames(corpus):
+    repeats = np.mean(corpus.tokens[1:] == corpus.tokens[:-1])
+    assert 0.2 < repeats < 0.8
+
+
+def test_speakers_have_their_own_token_preferences(corpus):
+    """Two speakers' token histograms differ more than two halves of one speaker's utterances."""
+    def histogram(utterances):
+        counts = np.bincount(np.concatenate([corpus.utterance(i) for i in utterances]), minlength=SMALL.vocab)
+        return counts / counts.sum()
+
+    by_speaker = {s: np.flatnonzero(corpus.speakers == s) for s in np.unique(corpus.speakers)}
+    a, b = sorted(by_speaker, key=lambda s: -len(by_speaker[s]))[:2]
+    within = np.abs(histogram(by_speaker[a][::2]) - histogram(by_speaker[a][1::2])).sum()
+    between = np.abs(histogram(by_speaker[a]) - histogram(by_speaker[b])).sum()
+    assert between > 1.3 * within
+
+
+def test_exact_matching_works_sometimes_and_fails_often(corpus):
+    """Long n-grams recur (exact repeats) but most short contexts are not followed the same way twice."""
+    repeated_16 = np.mean(ngram_counts(corpus.tokens, 16) > 1)
+    repeated_4 = np.mean(ngram_counts(corpus.tokens, 4) > 1)
+    assert 0.02 < repeated_16 < 0.5
+    assert repeated_16 < repeated_4 < 0.9
+
+
+def test_jsonl_round_trip(corpus, tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    write_jsonl(corpus, path)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == len(corpus)
+    assert lines[5]["tokens"] == corpus.utterance(5).tolist()
+    assert lines[5]["speaker"] == corpus.speaker_name(5) and lines[5]["id"] == corpus.utterance_id(5)
+    assert not (tmp_path / "corpus.jsonl.tmp").exists()
+
+
+def test_cli_writes_corpus_and_rejects_bad_sizes(tmp_path):
+    out = tmp_path / "c.jsonl"
+    ok = CliRunner().invoke(cli, ["--tokens", "3000", "--vocab", "1024", "--speakers", "3", "--out", str(out)])
+    assert ok.exit_code == 0, ok.output
+    tokens = [t for line in out.read_text().splitlines() for t in json.loads(line)["tokens"]]
+    assert len(tokens) >= 3000 and max(tokens) < 1024
+    bad = CliRunner().invoke(cli, ["--tokens", "10", "--out", str(out)])
+    assert bad.exit_code != 0 and "10" in bad.output
+
+
+# --- REST reference -----------------------------------------------------------------------------------------
+
+
+def brute_occurrences(utterances, pattern):
+    """(utterance, end) of every occurrence of `pattern`, end = index just after it."""
+    n = len(pattern)
+    return [(u, i + n) for u, tokens in enumerate(utterances) for i in range(len(tokens) - n + 1)
+            if list(tokens[i : i + n]) == list(pattern)]
+
+
+def test_suffix_array_sorts_by_prefix_then_position():
+    text = np.random.default_rng(0).integers(0, 3, 400).astype(np.int32)
+    sa = suffix_array(text, 8)
+    expected = sorted(range(len(text)), key=lambda i: (list(text[i : i + 8]), i))
+    # Ties (equal 8-token prefixes) are ordered by position; a shorter prefix (end of text) sorts first.
+    assert sa.tolist() == expected
+
+
+def test_known_example():
+    utterances = [np.array([1, 2, 3, 4]), np.array([1, 2, 3, 5]), np.array([1, 2, 3, 4, 6]), np.array([7, 3, 4])]
+    rest = RestReference(utterances, max_nodes=64)
+    assert rest.longest_match(np.array([9, 1, 2, 3]))[0] == 3
+    tree = rest.propose(np.array([9, 1, 2, 3]))
+    assert tree.tokens.tolist() == [4, 5, 6] and tree.parents.tolist() == [-1, -1, 0]
+    assert tree.counts.tolist() == [2, 1, 1]
+    assert len(rest.propose(np.array([6, 1]))) == 0  # (6, 1) never occurs; nor does (1,) count: min_span 2
+    assert len(rest.propose(np.array([3, 4, 6]))) == 0  # occurs, but at an utterance end: nothing follows
+
+
+def test_node_budget_keeps_the_most_frequent_connected_nodes():
+    rows = np.array([[1, 2, 3], [1, 2, 4], [1, 5, SEPARATOR], [6, 7, 8], [1, 2, 3]], np.int32)
+    tree = trie_of(rows, max_nodes=3)
+    assert tree.tokens.tolist() == [1, 2, 3] and tree.counts.tolist() == [4, 3, 2]
+    assert tree.parents.tolist() == [-1, 0, 1]
+    np.testing.assert_allclose(tree.probs, [0.8, 0.6, 0.4])
+
+
+@st.composite
+def corpus_and_context(draw):
+    utterances = draw(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=6))
+    context = draw(st.lists(st.integers(0, 3), min_size=1, max_size=20))
+    return [np.array(u) for u in utterances], np.array(context)
+
+
+@settings(max_examples=150, deadline=None)
+@given(corpus_and_context())
+def test_longest_match_and_counts_agree_with_brute_force(case):
+    utterances, context = case
+    rest = RestReference(utterances, max_span=6, min_span=2, continuation=4, max_nodes=1000)
+    n, lo, hi = rest.longest_match(context)
+    longest = max((k for k in range(2, min(6, len(context)) + 1) if brute_occurrences(utterances, context[-k:])),
+                  default=0)
+    assert n == longest
+    tree = rest.propose(context)
+    if n == 0:
+        assert len(tree) == 0
+        return
+    occurrences = brute_occurrences(utterances, context[-n:])
+    assert hi - lo == len(occurrences)
+    continuations = [tuple(utterances[u][end : end + 4]) for u, end in occurrences]
+    # Every node is a prefix of a real continuation inside one utterance, with its true count.
+    for i in range(len(tree)):
+        path = tuple(int(t) for t in tree.tokens[np.flatnonzero(tree.mask[i])])
+        assert tree.counts[i] == sum(c[: len(path)] == path for c in continuations) > 0
+    assert len(tree) == len({c[:k] for c in continuations for k in range(1, len(c) + 1)})
