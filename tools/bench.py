@@ -1,0 +1,278 @@
+"""`bench`: autoregressive, HF prompt lookup and echospec's policies side by side on one model and store.
+
+Every system decodes every prompt; the order of systems rotates from prompt to prompt (A B C, B C A, ...)
+so drift on a noisy machine hits all of them alike. Speed is reported as the ratio of median time per
+token to the system's baseline (greedy systems: HF `generate`; sampling systems: autoregressive sampling
+with the same sampler); quality as the target's mean log-likelihood of what was generated and, where the
+tokenizer is known, the log-mel DTW distortion against the reference utterance, each with a 95%
+bootstrap interval over utterances.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .quality import MelDecoder, bootstrap_ci, dtw_distance
+from .tts_prompt import TTSMeta, encode_prompt
+
+POLICIES = ("exact-greedy", "exact-sampling", "filtered", "tolerance", "similarity")
+
+
+class BenchError(ValueError):
+    """A prompts file, checkpoint or option the benchmark cannot use."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    speaker: str | None
+    input_ids: list[int]
+    reference: list[int] | None
+
+
+@dataclass
+class System:
+    """One way of decoding: `run(model, prompt, seed) -> (model ids generated, target forwards, seconds)`."""
+
+    name: str
+    baseline: str  # the system this one's speed-up is measured against
+    lossless_of: str | None  # a lossless system must reproduce this one (greedy) or match it in distribution
+    run: Callable
+    accepted: list[int] = field(default_factory=list)
+
+
+def load_prompts(path, meta: TTSMeta | None, limit: int | None = None) -> list[Prompt]:
+    """Prompts from JSONL: `input_ids` (model ids), or `text` + `speaker` for an echospec TTS checkpoint."""
+    prompts = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise BenchError(f"cannot read prompts file {path}: {e.strerror}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if "input_ids" in row:
+                ids = [int(t) for t in row["input_ids"]]
+            elif meta is not None:
+                ids = encode_prompt(meta, row["text"], row["speaker"])
+            else:
+                raise BenchError(f"{path}:{number}: no input_ids, and the checkpoint has no echospec_tts.json to encode text")
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise BenchError(f"{path}:{number}: bad prompt line ({e})") from None
+        prompts.append(Prompt(str(row.get("id", number)), row.get("speaker"), ids, row.get("reference_tokens")))
+        if limit and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise BenchError(f"{path} holds no prompts")
+    return prompts
+
+
+def make_policy(name: str, seed: int):
+    from ..decoder import RAS, ExactGreedy, ExactSampling, Filtered, SimilarityGroups, Tolerance
+
+    factories = {
+        "exact-greedy": lambda: ExactGreedy(),
+        "exact-sampling": lambda: ExactSampling(RAS(), seed=seed),
+        "filtered": lambda: Filtered(tau=32, sampler=RAS(), seed=seed),
+        "tolerance": lambda: Tolerance(beta=0.2, sampler=RAS(), seed=seed),
+        "similarity": lambda: SimilarityGroups(threshold=0.5, sampler=RAS(), seed=seed),
+    }
+    if name not in factories:
+        raise BenchError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    return factories[name]()
+
+
+def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_depths, max_nodes, max_depth,
+             max_new_tokens) -> list[System]:
+    import torch
+
+    from ..decoder import generate
+
+    forwards = [0]
+    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+
+    def hf(**extra):
+        def run(prompt, seed):
+            forwards[0] = 0
+            ids = torch.tensor([prompt.input_ids])
+            start = time.perf_counter()
+            out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(speech.stop_ids),
+                                 pad_token_id=speech.stop_ids[0], attention_mask=torch.ones_like(ids), **extra)
+            seconds = time.perf_counter() - start
+            return out[0, len(prompt.input_ids):].tolist(), forwards[0], seconds, []
+        return run
+
+    def echospec(policy, store, nodes, depth):
+        def run(prompt, seed):
+            result = generate(model, retriever if store else None, input_ids=prompt.input_ids,
+                              policy=make_policy(policy, seed), speech=speech,
+                              speaker=prompt.speaker if store == "speaker" else None,
+                              max_new_tokens=max_new_tokens, max_nodes=nodes, max_depth=depth)
+            stats = result.stats
+            return result.tokens, stats.target_forwards, stats.wall_seconds, stats.accepted_lengths
+        return run
+
+    systems = [
+        System("autoregressive", "autoregressive", None, hf()),
+        System("hf-prompt-lookup", "autoregressive", "autoregressive", hf(prompt_lookup_num_tokens=10)),
+    ]
+    if any(p != "exact-greedy" for p in policies):
+        systems.append(System("ar-sampling", "ar-sampling", None, echospec("exact-sampling", None, 0, 1)))
+    for policy in policies:
+        greedy = policy == "exact-greedy"
+        baseline = "autoregressive" if greedy else "ar-sampling"
+        lossless = baseline if policy.startswith("exact") else None
+        for store in stores:
+            systems.append(System(f"{policy}/{store}", baseline, lossless, echospec(policy, store, max_nodes, max_depth)))
+    sweep_policy = "exact-sampling" if "exact-sampling" in policies else policies[0]
+    baseline = "autoregressive" if sweep_policy == "exact-greedy" else "ar-sampling"
+    for nodes in sweep_nodes:
+        for depth in sweep_depths:
+            if (nodes, depth) != (max_nodes, max_depth):
+                name = f"{sweep_policy}/{stores[0]}/n{nodes}d{depth}"
+                systems.append(System(name, baseline, None, echospec(sweep_policy, stores[0], nodes, depth)))
+    return systems
+
+
+def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
+          max_nodes: int | str = 16, max_depth: int = 8, sweep_nodes=(), sweep_depths=(), limit: int | None = None,
+          max_new_tokens: int = 400, threads: int = 2, seed: int = 0, out_dir=None, progress: bool = True) -> dict:
+    """Decode `prompts_path` with every system; return (and write to `out_dir`) the report as a dict."""
+    import torch
+    from tqdm import tqdm
+
+    from ..decoder import SpeechVocab
+    from ..decoder.scoring import mean_log_likelihood
+    from ..retriever import Retriever
+    from .tts_prompt import META_FILE, load_sample_tts
+
+    torch.set_num_threads(threads)
+    if not (Path(checkpoint) / META_FILE).exists():
+        raise BenchError(f"{checkpoint} has no {META_FILE}: echospec bench needs an echospec TTS checkpoint")
+    model, meta = load_sample_tts(checkpoint)
+    speech = SpeechVocab(meta.speech_offset, meta.speech_vocab_size, (meta.stop_id,))
+    prompts = load_prompts(prompts_path, meta, limit)
+    retriever = Retriever(store)
+    mel = MelDecoder(tokenizer) if tokenizer else None
+    systems = _systems(model, retriever, speech, list(policies), list(stores), sweep_nodes, sweep_depths,
+                       max_nodes, max_depth, max_new_tokens)
+
+    for system in systems:  # warm-up: first calls pay for lazy initialisation and numba compilation
+        system.run(prompts[0], seed)
+    rows = {s.name: [] for s in systems}
+    for i, prompt in enumerate(tqdm(prompts, desc="bench", unit="utt", disable=not progress)):
+        order = systems[i % len(systems):] + systems[: i % len(systems)]
+        for system in order:
+            tokens, forwards, seconds, accepted = system.run(prompt, seed + i)
+            system.accepted.extend(accepted)
+            speech_tokens = speech.to_local(tokens)
+            rows[system.name].append({
+                "prompt": prompt.id, "tokens": tokens, "new_tokens": len(tokens), "forwards": forwards,
+                "seconds": seconds, "time_per_token": seconds / max(len(tokens), 1),
+                "log_likelihood": mean_log_likelihood(model, prompt.input_ids, tokens),
+                "mel_distortion": (dtw_distance(mel(speech_tokens), mel(prompt.reference))
+                                   if mel is not None and prompt.reference and speech_tokens else None),
+            })
+    report = summarise(systems, rows, token_rate=meta.frame_rate)
+    report["machine"] = {"threads": threads, "torch": torch.__version__, "cpus": os.cpu_count()}
+    report["setup"] = {"checkpoint": str(checkpoint), "store": str(store), "prompts": str(prompts_path),
+                       "utterances": len(prompts), "max_nodes": max_nodes, "max_depth": max_depth, "seed": seed}
+    if out_dir is not None:
+        write_report(report, systems, Path(out_dir))
+    return report
+
+
+def summarise(systems: list[System], rows: dict, token_rate: float) -> dict:
+    """Per-system medians, ratios to the baseline, tokens per forward and quality intervals."""
+    median_tpt = {name: float(np.median([r["time_per_token"] for r in runs])) for name, runs in rows.items()}
+    summary = {}
+    for system in systems:
+        runs = rows[system.name]
+        tpt = [r["time_per_token"] for r in runs]
+        entry = {
+            "baseline": system.baseline,
+            "tokens_per_forward": sum(r["new_tokens"] for r in runs) / max(sum(r["forwards"] for r in runs), 1),
+            "time_per_token_ms": {"median": 1e3 * median_tpt[system.name], "min": 1e3 * min(tpt), "max": 1e3 * max(tpt)},
+            "speedup": median_tpt[system.baseline] / median_tpt[system.name],
+            "lm_rtf": float(np.median([r["time_per_token"] * token_rate for r in runs])),
+            "new_tokens": sum(r["new_tokens"] for r in runs),
+            "log_likelihood": bootstrap_ci([r["log_likelihood"] for r in runs]).to_dict(),
+            "accepted_lengths": np.bincount(system.accepted).tolist() if system.accepted else [],
+        }
+        mel = [r["mel_distortion"] for r in runs if r["mel_distortion"] is not None]
+        entry["mel_distortion"] = bootstrap_ci(mel).to_dict() if mel else None
+        if system.lossless_of == "autoregressive":  # greedy: token-for-token identity is the claim
+            reference = rows["autoregressive"]
+            entry["identical_to_baseline"] = sum(a["tokens"] == b["tokens"] for a, b in zip(runs, reference)) / len(runs)
+        summary[system.name] = entry
+    return {"systems": summary, "utterances": rows}
+
+
+def format_table(report: dict) -> str:
+    header = (f"{'system':34} {'tok/fwd':>7} {'TPT ms':>7} {'speed-up':>8} {'RTF':>6} "
+              f"{'log-lik [95% CI]':>26} {'mel-DTW [95% CI]':>24}")
+    lines = [header, "-" * len(header)]
+    for name, s in report["systems"].items():
+        ll = s["log_likelihood"]
+        mel = s["mel_distortion"]
+        lines.append(
+            f"{name:34} {s['tokens_per_forward']:7.2f} {s['time_per_token_ms']['median']:7.2f} "
+            f"{s['speedup']:7.2f}x {s['lm_rtf']:6.3f} "
+            f"{ll['mean']:8.3f} [{ll['ci95'][0]:7.3f},{ll['ci95'][1]:7.3f}] "
+            + (f"{mel['mean']:6.2f} [{mel['ci95'][0]:6.2f},{mel['ci95'][1]:6.2f}]" if mel else f"{'-':>24}")
+        )
+    return "\n".join(lines)
+
+
+def write_report(report: dict, systems: list[System], out_dir: Path) -> None:
+    """bench.json, bench.md and bench.png in `out_dir`, each written to a temporary file and renamed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out_dir / "bench.json", json.dumps(report, indent=1))
+    _atomic_write(out_dir / "bench.md", "```\n" + format_table(report) + "\n```\n")
+    plot(report, systems, out_dir / "bench.png")
+
+
+def plot(report: dict, systems: list[System], path: Path) -> None:
+    """Left: accepted tree nodes per step for each echospec system. Right: speed-up against quality."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    speculative = [s for s in systems if s.accepted]
+    for s in speculative:
+        counts = np.bincount(s.accepted)
+        left.plot(np.arange(len(counts)), counts / counts.sum(), marker="o", label=s.name)
+    left.set(xlabel="tree nodes accepted in a step", ylabel="share of steps", title="Accepted lengths")
+    left.legend(fontsize=7)
+    for name, s in report["systems"].items():
+        ll = s["log_likelihood"]
+        right.errorbar(s["speedup"], ll["mean"], yerr=[[ll["mean"] - ll["ci95"][0]], [ll["ci95"][1] - ll["mean"]]],
+                       fmt="o", capsize=3)
+        right.annotate(name, (s["speedup"], ll["mean"]), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    right.set(xlabel="speed-up over its baseline (median time per token)",
+              ylabel="target mean log-likelihood (95% CI)", title="Speed against quality")
+    fig.tight_layout()
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".png", delete=False) as tmp:
+        fig.savefig(tmp.name, dpi=110)
+    plt.close(fig)
+    os.replace(tmp.name, path)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, encoding="utf-8") as tmp:
+        tmp.write(text)
+        tmp.flush()
+        os.fsync(tmp.fileno())
+    os.replace(tmp.name, path)

@@ -1,0 +1,67 @@
+"""`echospec bench` and `echospec demo`."""
+
+from __future__ import annotations
+
+import click
+
+from .bench import POLICIES, BenchError, bench, format_table
+from .cli import main
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+@main.command("bench")
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--store", required=True, type=click.Path(exists=True, file_okay=False), help="Datastore directory.")
+@click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="JSONL: input_ids, or text + speaker for an echospec TTS checkpoint; reference_tokens optional.")
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), help="tokenizer.npz for log-mel distortion.")
+@click.option("--policy", "policies", multiple=True, type=click.Choice(POLICIES), help="Policies (default: all).")
+@click.option("--stores", default="speaker,general", show_default=True, help="Which stores: speaker, general.")
+@click.option("--nodes", default="16", show_default=True, help="Node budget: an integer or 'auto'.")
+@click.option("--depth", default=8, show_default=True, type=click.IntRange(1, 64))
+@click.option("--sweep-nodes", default="", help="Node budgets to sweep, e.g. 8,32,64.")
+@click.option("--sweep-depths", default="", help="Depths to sweep, e.g. 4,12.")
+@click.option("--limit", type=click.IntRange(1), help="Use the first N prompts.")
+@click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--out", "out_dir", default="runs/bench", show_default=True, type=click.Path(file_okay=False))
+def bench_command(checkpoint, store, prompts, tokenizer, policies, stores, nodes, depth, sweep_nodes, sweep_depths,
+                  limit, max_new_tokens, threads, seed, out_dir):
+    """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT.
+
+    \b
+    echospec bench tools/sample/model --store runs/demo/store --prompts tools/sample/prompts.jsonl \\
+        --tokenizer tools/sample/tokenizer.npz --limit 20 --sweep-nodes 8,32
+    """
+    stores = tuple(s.strip() for s in stores.split(",") if s.strip())
+    if not stores or set(stores) - {"speaker", "general"}:
+        raise click.BadParameter("use speaker and/or general", param_hint="--stores")
+    if nodes != "auto" and not nodes.isdigit():
+        raise click.BadParameter("an integer or 'auto'", param_hint="--nodes")
+    try:
+        report = bench(checkpoint, store, prompts, tokenizer=tokenizer, policies=policies or POLICIES, stores=stores,
+                       max_nodes=nodes if nodes == "auto" else int(nodes), max_depth=depth,
+                       sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,), limit=limit,
+                       max_new_tokens=max_new_tokens, threads=threads, seed=seed, out_dir=out_dir)
+    except (BenchError, ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(format_table(report))
+    click.echo(f"\nWrote {out_dir}/bench.json, bench.md and bench.png")
+
+
+@main.command("demo")
+@click.option("--out", "out_dir", default="runs/demo", show_default=True, type=click.Path(file_okay=False))
+@click.option("--limit", default=6, show_default=True, type=click.IntRange(1), help="Held-out sentences to synthesize.")
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(1))
+def demo_command(out_dir, limit, threads):
+    """The embedded default: build stores from the shipped sample, query, and benchmark every policy."""
+    from .demo import demo
+
+    demo(out_dir=out_dir, limit=limit, threads=threads, echo=click.echo)
