@@ -10,3 +10,4 @@ def main() -> None:
 
 
 # Subcommands register themselves here, one import per module (keep this list sorted).
+from . import cli_serve  # noqa: E402,F401

@@ -1,0 +1,256 @@
+"""RemoteRetriever: the in-process `Retriever`'s interface, answered by an `echospec serve` service.
+
+    r = RemoteRetriever("http://127.0.0.1:8750", store="voices", timeout=0.05)
+    tree = r.propose(context, speaker="ann")       # the same CandidateTree the service's Retriever makes
+
+A decoder uses either unchanged. When the service is slow or down, `propose` raises
+`RetrieverUnavailable` within `timeout`, and then, while a back-off runs (doubling with each
+consecutive failure, up to `max_backoff`), immediately without touching the network: the decoder
+steps autoregressively meanwhile and proposals resume on the first successful trial call.
+
+HTTP/1.1 over the standard library's `http.client`, one kept-alive connection per thread: on
+loopback a request costs about a quarter of what it costs through httpx (see
+tools/bench_service.py), and connections are never shared between threads, so any number of
+threads may call one RemoteRetriever.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from typing import Sequence
+from urllib.parse import quote, urlencode, urlsplit
+
+import numpy as np
+
+from .tree import CandidateTree
+from .wire import BINARY, JSON, WireError, decode_trees, encode_contexts
+
+PAYLOADS = ("binary", "json")
+
+
+class RetrieverUnavailable(RuntimeError):
+    """The service did not answer in time, is unreachable, failed (5xx), or is in its back-off window."""
+
+
+class ServiceRequestError(ValueError):
+    """The service refused the request (4xx): bad ids, unknown store or speaker, missing API key, ...
+
+    A ValueError, as the in-process Retriever raises for bad ids or an unknown speaker."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code = status, code
+
+
+class CircuitBreaker:
+    """Refuses calls for a while after a failure, so a dead service costs one timeout, not one a step.
+
+    After the n-th consecutive failure, calls fail fast for min(max_backoff, backoff * 2**(n-1))
+    seconds; the first call after that is a trial (others keep failing fast while it runs). A success
+    closes the breaker."""
+
+    def __init__(self, backoff: float = 0.05, max_backoff: float = 2.0):
+        self.backoff, self.max_backoff = backoff, max_backoff
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._retry_at = 0.0
+
+    @property
+    def is_open(self) -> bool:
+        return self._failures > 0
+
+    def check(self) -> None:
+        if not self._failures:  # the common case, without the lock
+            return
+        with self._lock:
+            now = time.monotonic()
+            if self._failures and now < self._retry_at:
+                raise RetrieverUnavailable(f"service unavailable ({self._failures} consecutive failures); "
+                                           f"next try in {self._retry_at - now:.3f} s")
+            self._retry_at = now + self._delay()
+
+    def success(self) -> None:
+        if self._failures:
+            with self._lock:
+                self._failures = 0
+
+    def failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            self._retry_at = time.monotonic() + self._delay()
+
+    def _delay(self) -> float:
+        return min(self.max_backoff, self.backoff * 2 ** max(self._failures - 1, 0))
+
+
+class RemoteRetriever:
+    """Proposes candidate trees through the datastore service; same `propose` as `Retriever`.
+
+    url          the service, e.g. "http://127.0.0.1:8750"
+    store        the store's name on the service
+    timeout      seconds a call may wait on the network (connect, send, and each read)
+    api_key      for `enroll` (the service's ECHOSPEC_API_KEY)
+    payload      "binary" (default: the faster one, see tools/bench_service.py) or "json"
+    backoff, max_backoff   the circuit breaker's first and longest fail-fast windows, in seconds
+    """
+
+    def __init__(self, url: str, store: str, timeout: float = 0.1, api_key: str | None = None,
+                 payload: str = "binary", backoff: float = 0.05, max_backoff: float = 2.0):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"url must be http://host:port or https://host:port, got {url!r}")
+        if payload not in PAYLOADS:
+            raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
+        self.url, self.store, self.timeout, self.payload = url.rstrip("/"), store, float(timeout), payload
+        self._connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._host, self._port = parts.hostname, parts.port
+        self._prefix = f"{parts.path.rstrip('/')}/v1/stores/{quote(store, safe='')}"
+        self._api_key = api_key
+        self.breaker = CircuitBreaker(backoff, max_backoff)
+        self._local = threading.local()
+        self._connections: list[http.client.HTTPConnection] = []
+        self._connections_lock = threading.Lock()
+        self._vocab_size: int | None = None
+
+    # -- the Retriever interface --
+
+    def propose(self, context, speaker: str | None = None, max_nodes: int | None = None,
+                max_depth: int | None = None, timeout: float | None = None) -> CandidateTree:
+        """Candidate continuations of `context` (1-D store-local ids), as `Retriever.propose`.
+
+        Raises RetrieverUnavailable when the service is slow, down or backing off, and
+        ServiceRequestError (a ValueError) when it refuses the request."""
+        return self.propose_batch([context], speaker, max_nodes, max_depth, timeout)[0]
+
+    def propose_batch(self, contexts: Sequence, speaker: str | None = None, max_nodes: int | None = None,
+                      max_depth: int | None = None, timeout: float | None = None) -> list[CandidateTree]:
+        """One tree per context, in one request."""
+        options = {k: v for k, v in (("speaker", speaker), ("max_nodes", max_nodes), ("max_depth", max_depth))
+                   if v is not None}
+        if self.payload == "binary":
+            query = f"?{urlencode(options)}" if options else ""
+            _, data = self._call("POST", f"{self._prefix}/propose{query}", encode_contexts(contexts),
+                                      BINARY, timeout)
+            try:
+                return decode_trees(data)
+            except WireError as e:
+                raise RetrieverUnavailable(f"{self.url}: malformed propose answer ({e})") from None
+        body = json.dumps({"contexts": [np.asarray(c).tolist() for c in contexts], **options}).encode()
+        _, data = self._call("POST", f"{self._prefix}/propose", body, JSON, timeout)
+        return [CandidateTree.from_dict(t) for t in json.loads(data)["trees"]]
+
+    @property
+    def vocab_size(self) -> int:
+        if self._vocab_size is None:
+            self._vocab_size = int(self.info()["vocabulary"]["size"])
+        return self._vocab_size
+
+    @property
+    def speakers(self) -> tuple[str, ...]:
+        """The store's speakers now (asks the service: a new enrollment shows at once)."""
+        return tuple(sorted(self.info()["speakers"]))
+
+    def info(self, timeout: float | None = None) -> dict:
+        """The store's description: vocabulary, sizes, speakers with their stats."""
+        return json.loads(self._call("GET", self._prefix, None, None, timeout)[1])
+
+    # -- writes --
+
+    def enroll(self, speaker: str, utterances: Sequence[dict], replace: bool = False,
+               timeout: float = 120.0) -> dict:
+        """Add utterances (`{"id": str, "tokens": [raw model ids]}`) to a speaker, or replace its
+        utterances; returns once the service has them on disk and answers from them. Needs api_key."""
+        body = json.dumps({"utterances": [{"id": str(u["id"]), "tokens": np.asarray(u["tokens"]).tolist()}
+                                          for u in utterances], "replace": replace}).encode()
+        path = f"{self._prefix}/speakers/{quote(speaker, safe='')}"
+        return json.loads(self._call("POST", path, body, JSON, timeout, breaker=False)[1])
+
+    # -- plumbing --
+
+    def _call(self, method: str, path: str, body: bytes | None, content_type: str | None,
+              timeout: float | None, breaker: bool = True) -> tuple[int, bytes]:
+        if breaker:
+            self.breaker.check()
+        try:
+            status, data = self._exchange(method, path, body, content_type, self.timeout if timeout is None else timeout)
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, garbled
+            if breaker:
+                self.breaker.failure()
+            raise RetrieverUnavailable(f"{self.url}: {type(e).__name__}: {e or 'no answer'}") from None
+        if status >= 500:
+            if breaker:
+                self.breaker.failure()
+            raise RetrieverUnavailable(f"{self.url}: service error {status}: {_message(data)}")
+        if breaker:
+            self.breaker.success()
+        if status >= 400:
+            error = _error(data)
+            raise ServiceRequestError(status, error.get("code", "error"), error.get("message", data[:200]))
+        return status, data
+
+    def _exchange(self, method, path, body, content_type, timeout) -> tuple[int, bytes]:
+        headers = {"Content-Type": content_type} if content_type else {}
+        if self._api_key and method != "GET":
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        conn = self._connection()
+        reused = conn.sock is not None
+        try:
+            try:
+                return self._roundtrip(conn, method, path, body, headers, timeout)
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                if not reused:
+                    raise
+                # The service closed an idle kept-alive connection (or restarted): retry once, fresh socket.
+                conn.close()
+                return self._roundtrip(conn, method, path, body, headers, timeout)
+        except BaseException:
+            conn.close()  # never reuse a connection in an unknown state
+            raise
+
+    @staticmethod
+    def _roundtrip(conn, method, path, body, headers, timeout) -> tuple[int, bytes]:
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._connection_class(self._host, self._port, timeout=self.timeout)
+            self._local.conn = conn
+            with self._connections_lock:
+                self._connections.append(conn)
+        return conn
+
+    def close(self) -> None:
+        """Close every thread's connection (a later call opens a new one)."""
+        with self._connections_lock:
+            for conn in self._connections:
+                conn.close()
+
+    def __enter__(self) -> "RemoteRetriever":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteRetriever({self.url!r}, store={self.store!r}, payload={self.payload!r})"
+
+
+def _error(data: bytes) -> dict:
+    try:
+        error = json.loads(data).get("error")
+        return error if isinstance(error, dict) else {}
+    except (ValueError, AttributeError):
+        return {}
+
+
+def _message(data: bytes) -> str:
+    return _error(data).get("message") or data[:200].decode(errors="replace")

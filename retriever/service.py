@@ -1,0 +1,588 @@
+"""The datastore service: many TTS workers share datastores over HTTP.
+
+    echospec serve store_dir [NAME=other_dir ...] --port 8750           # or serve(...) below
+
+Endpoints (JSON unless noted; every error is JSON `{"error": {"status", "code", "message"}}`):
+  POST /v1/stores/{store}/propose            one context or a batch: JSON, or the binary form of wire.py
+  GET  /v1/stores                            every store with its stats and speakers
+  GET  /v1/stores/{store}                    one store
+  POST /v1/stores/{store}/speakers/{speaker} enroll: append (or replace) a speaker's utterances; API key
+  GET  /healthz                              liveness and the stores served
+  GET  /metrics                              Prometheus text format
+
+Propose requests are answered on the event loop from the store's current `Snapshot` (a `Retriever`
+over a memory-mapped datastore: a few microseconds a call, so no thread hop). An enrollment runs in a
+worker thread under the store's write lock: `datastore.enroll` writes and fsyncs the new store and
+commits the catalog, a fresh `Snapshot` is opened and warmed, and only then is it swapped in (one
+reference assignment) and the request acknowledged. Proposals keep using the old snapshot meanwhile.
+
+The propose route bypasses FastAPI's routing and dependency machinery (it is the hot path: about
+40 us a request, a third of the service's own time); the rest of the API is an ordinary FastAPI app.
+Body-size limits, write authentication and metrics wrap both, in `Service.__call__`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+from urllib.parse import parse_qsl
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..datastore import DatastoreError, enroll, open_datastore
+from . import Retriever
+from .tree import CandidateTree
+from .wire import BINARY, WireError, decode_contexts, encode_trees
+
+log = logging.getLogger("echospec.service")
+
+API_KEY_ENV = "ECHOSPEC_API_KEY"
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""Store and speaker names: no slash, no leading dot, no `..`, at most 64 characters."""
+MAX_ID_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; anything past a limit is a 413 or a 422, never a slow answer."""
+
+    max_body_bytes: int = 8 << 20
+    max_batch: int = 256  # contexts per propose request
+    max_context: int = 1 << 16  # tokens per context
+    max_nodes: int = 1024  # node budget per tree
+    max_depth: int = 64
+    max_utterances: int = 10_000  # per enrollment
+
+
+class ServiceError(Exception):
+    """An error meant for the client: becomes a JSON response with `status`."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def valid_name(name: str) -> bool:
+    return bool(NAME.fullmatch(name)) and ".." not in name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stores and their snapshots
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One consistent view of a datastore: its retriever and what validation needs to know about it."""
+
+    retriever: Retriever
+    info: dict
+    vocab_size: int
+    speakers: frozenset[str]
+    speech_offset: int
+    stop_ids: frozenset[int]
+
+    @classmethod
+    def open(cls, path: Path, retriever_options: dict) -> "Snapshot":
+        ds = open_datastore(path)
+        # Map every speaker store now: an enrollment deletes a replaced store's directory once its
+        # catalog commit is done, and this snapshot may still answer for that speaker until the swap.
+        for speaker in ds.speakers:
+            ds.speaker_store(speaker)
+        retriever = Retriever(ds, **retriever_options)
+        retriever.propose(np.zeros(1, np.int64))  # compile/load the kernels before the first request
+        return cls(retriever, _jsonable(ds.info()), int(retriever.vocab_size), frozenset(ds.speakers),
+                   ds.speech_offset, frozenset(ds.stop_ids))
+
+
+class StoreHandle:
+    """A served datastore: its current snapshot (swapped whole) and a lock serialising its writes."""
+
+    def __init__(self, name: str, path: Path, retriever_options: dict):
+        self.name, self.path, self.retriever_options = name, path, retriever_options
+        self.snapshot = Snapshot.open(path, retriever_options)
+        self.write_lock = threading.Lock()  # held by the worker thread, so a dropped client cannot free it
+
+    def enroll(self, speaker: str, utterances: list[dict], replace: bool) -> Snapshot:
+        """Write, commit, reopen, swap: returns the new snapshot once it is the one being served."""
+        with self.write_lock, tempfile.TemporaryDirectory(prefix="echospec-enroll-") as tmp:
+            corpus = Path(tmp) / "utterances.jsonl"
+            with open(corpus, "w") as f:
+                for utt in utterances:
+                    f.write(json.dumps({"id": utt["id"], "speaker": speaker, "tokens": utt["tokens"]}) + "\n")
+            try:
+                enroll(self.path, speaker, corpus, replace=replace)
+            except DatastoreError as e:  # CorpusError included; the checks below make this rare
+                raise ServiceError(422, "enroll_rejected", str(e).replace(str(corpus), "request")) from None
+            self.snapshot = snapshot = Snapshot.open(self.path, self.retriever_options)
+            return snapshot
+
+
+def parse_store_arg(arg: str) -> tuple[str, Path]:
+    """`NAME=PATH` or `PATH` (the name is then the directory's name)."""
+    name, sep, path = arg.partition("=")
+    if not sep:
+        name, path = Path(arg).resolve().name, arg
+    if not valid_name(name):
+        raise ValueError(f"store name {name!r} must match {NAME.pattern} (give NAME=PATH to choose one)")
+    return name, Path(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Metrics
+
+LATENCY_BUCKETS = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """The service's Prometheus metrics, in a registry of its own (one per Service)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("echospec_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("echospec_request_seconds", "Request latency, body read to response sent",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.errors = Counter("echospec_errors", "Error responses by endpoint and error code",
+                              ["endpoint", "code"], registry=r)
+        self.contexts = Counter("echospec_proposed_contexts", "Contexts answered by propose", ["store"], registry=r)
+        self.nodes = Counter("echospec_proposed_nodes", "Tree nodes returned by propose", ["store"], registry=r)
+        self.enrollments = Counter("echospec_enrollments", "Acknowledged enrollments", ["store"], registry=r)
+        self.store = {field: Gauge(f"echospec_store_{field}", help_, ["store"], registry=r) for field, help_ in (
+            ("tokens", "Tokens in the general store"), ("utterances", "Utterances in the general store"),
+            ("speakers", "Enrolled speakers"), ("exact_bytes", "Bytes of all exact stores"),
+            ("faiss_bytes", "Bytes of the FAISS store"))}
+
+        self._children: dict[tuple, Any] = {}
+
+    def child(self, metric, *labels):
+        """`metric.labels(*labels)`, cached: labels() takes a lock and builds a key on every call."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def observe(self, endpoint: str, status: int, seconds: float) -> None:
+        self.child(self.requests, endpoint, str(status)).inc()
+        self.child(self.latency, endpoint).observe(seconds)
+
+    def set_store(self, name: str, info: dict) -> None:
+        values = {**info, "speakers": len(info.get("speakers", {}))}
+        for field, gauge in self.store.items():
+            gauge.labels(name).set(values.get(field) or 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Request bodies (JSON)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ProposeRequest(_Strict):
+    """JSON propose: exactly one of `context` (answer `{"tree": ...}`) or `contexts` (`{"trees": [...]}`)."""
+
+    context: list[int] | None = None
+    contexts: list[list[int]] | None = None
+    speaker: str | None = None
+    max_nodes: int | None = None
+    max_depth: int | None = None
+
+
+class Utterance(_Strict):
+    id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    tokens: list[int] = Field(min_length=1)
+
+
+class EnrollRequest(_Strict):
+    """Utterances in raw model ids, exactly as a corpus line has them; `replace` drops the old ones."""
+
+    utterances: list[Utterance] = Field(min_length=1)
+    replace: bool = False
+
+
+# ---------------------------------------------------------------------------------------------------
+# The service
+
+
+ROUTES = (  # (endpoint label, pattern): labels keep the metrics' cardinality bounded
+    ("propose", re.compile(r"/v1/stores/([^/]+)/propose")),
+    ("enroll", re.compile(r"/v1/stores/[^/]+/speakers/[^/]+")),
+    ("store", re.compile(r"/v1/stores/[^/]+")),
+    ("stores", re.compile(r"/v1/stores")),
+    ("health", re.compile(r"/healthz")),
+    ("metrics", re.compile(r"/metrics")),
+)
+
+
+class Service:
+    """The ASGI application. `stores` maps names to datastore directories, opened here (and warmed)."""
+
+    def __init__(self, stores: dict[str, str | Path], api_key: str | None = None, limits: Limits = Limits(),
+                 retriever_options: dict | None = None):
+        for name in stores:
+            if not valid_name(name):
+                raise ValueError(f"store name {name!r} must match {NAME.pattern}")
+        paths = [Path(p).resolve() for p in stores.values()]
+        if len(set(paths)) != len(paths):
+            raise ValueError("the same datastore directory is served under two names")
+        self.limits = limits
+        self.api_key = api_key.encode() if api_key else None
+        self.metrics = Metrics()
+        self.stores = {name: StoreHandle(name, path, dict(retriever_options or {}))
+                       for name, path in zip(stores, paths)}
+        for name, handle in self.stores.items():
+            self.metrics.set_store(name, handle.snapshot.info)
+        self.api = self._build_api()
+
+    # -- ASGI entry point: limits, authentication, metrics; propose; everything else to FastAPI --
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.api(scope, receive, send)
+        started = time.perf_counter()
+        endpoint, match = _route(scope["path"])
+        status = 500
+
+        async def send_tracked(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if scope["method"] not in ("GET", "HEAD") and endpoint not in ("propose", "other"):
+                self._authenticate(scope)
+            body = await _read_body(scope, receive, self.limits.max_body_bytes)
+            if endpoint == "propose" and scope["method"] == "POST":
+                await self._propose(match.group(1), scope, body, send_tracked)
+            else:
+                await self.api(scope, _replay(body, receive), send_tracked)
+        except ServiceError as e:
+            self.metrics.child(self.metrics.errors, endpoint, e.code).inc()
+            await _send_error(send_tracked, e)
+        except _ClientGone:
+            status = 499
+        finally:
+            self.metrics.observe(endpoint, status, time.perf_counter() - started)
+
+    def _authenticate(self, scope) -> None:
+        if self.api_key is None:
+            raise ServiceError(403, "writes_disabled",
+                               f"this service has no API key configured (set {API_KEY_ENV} or --api-key-file)")
+        header = _header(scope, b"authorization")
+        if header is None:
+            raise ServiceError(401, "unauthenticated", "writes need 'Authorization: Bearer <API key>'")
+        scheme, _, key = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
+            raise ServiceError(403, "forbidden", "wrong API key")
+
+    # -- propose --
+
+    async def _propose(self, store: str, scope, body: bytes, send) -> None:
+        snapshot = self._store(store).snapshot  # read once: an enrollment may swap it meanwhile
+        content_type = (_header(scope, b"content-type") or b"").split(b";")[0].strip()
+        if content_type == BINARY.encode():
+            try:
+                contexts = decode_contexts(body, self.limits.max_batch)
+            except WireError as e:
+                raise ServiceError(400, "bad_body", str(e)) from None
+            options = self._query_options(scope)
+            single = False
+        elif content_type in (b"application/json", b""):
+            contexts, options, single = self._json_propose(body)
+        else:
+            raise ServiceError(415, "unsupported_media_type",
+                               f"propose takes application/json or {BINARY}, not {content_type.decode(errors='replace')!r}")
+        speaker, max_nodes, max_depth = self._check_options(snapshot, **options)
+        trees = self._propose_all(snapshot, contexts, speaker, max_nodes, max_depth)
+        self.metrics.child(self.metrics.contexts, store).inc(len(trees))
+        self.metrics.child(self.metrics.nodes, store).inc(sum(len(t) for t in trees))
+        if content_type == BINARY.encode():
+            await _send(send, 200, encode_trees(trees), BINARY.encode())
+        else:
+            payload = {"tree": trees[0].to_dict()} if single else {"trees": [t.to_dict() for t in trees]}
+            await _send(send, 200, json.dumps(payload, separators=(",", ":")).encode(), b"application/json")
+
+    def _json_propose(self, body: bytes) -> tuple[list[np.ndarray], dict, bool]:
+        try:
+            request = ProposeRequest.model_validate_json(body)
+        except ValidationError as e:
+            raise _validation_error(e.errors()) from None
+        if (request.context is None) == (request.contexts is None):
+            raise ServiceError(422, "invalid_request", "give exactly one of 'context' and 'contexts'")
+        single = request.context is not None
+        raw = [request.context] if single else request.contexts
+        if len(raw) > self.limits.max_batch:
+            raise ServiceError(422, "batch_too_large", f"{len(raw)} contexts, the limit is {self.limits.max_batch}")
+        contexts = [np.array(c, np.int64) if c else np.zeros(0, np.int64) for c in raw]
+        options = dict(speaker=request.speaker, max_nodes=request.max_nodes, max_depth=request.max_depth)
+        return contexts, options, single
+
+    def _query_options(self, scope) -> dict:
+        options: dict[str, Any] = {}
+        query = scope["query_string"].decode("latin-1")
+        for key, value in parse_qsl(query, keep_blank_values=True) if query else ():
+            if key == "speaker":
+                options[key] = value
+            elif key in ("max_nodes", "max_depth"):
+                if not (value.isascii() and value.isdigit()) or len(value) > 9:
+                    raise ServiceError(422, "invalid_request", f"{key} must be an integer >= 0, got {value!r}")
+                options[key] = int(value)
+            else:
+                raise ServiceError(422, "invalid_request", f"unknown query parameter {key!r}")
+        return options
+
+    def _check_options(self, snapshot: Snapshot, speaker=None, max_nodes=None, max_depth=None):
+        if speaker is not None:
+            if not valid_name(speaker):
+                raise ServiceError(422, "invalid_name", f"speaker name must match {NAME.pattern}")
+            if speaker not in snapshot.speakers:
+                raise ServiceError(404, "unknown_speaker", f"no speaker {speaker!r} in this store")
+        for key, value, limit in (("max_nodes", max_nodes, self.limits.max_nodes),
+                                  ("max_depth", max_depth, self.limits.max_depth)):
+            if value is not None and not 0 <= value <= limit:
+                raise ServiceError(422, "out_of_range", f"{key} must be in 0..{limit}, got {value}")
+        return speaker, max_nodes, max_depth
+
+    def _propose_all(self, snapshot: Snapshot, contexts: Sequence[np.ndarray], speaker, max_nodes, max_depth):
+        trees = []
+        for i, context in enumerate(contexts):
+            if len(context) > self.limits.max_context:
+                raise ServiceError(422, "context_too_long", f"context {i} has {len(context)} tokens, "
+                                                            f"the limit is {self.limits.max_context}")
+            try:  # the retriever checks ids against its vocabulary (compiled) and raises ValueError
+                trees.append(snapshot.retriever.propose(context, speaker=speaker, max_nodes=max_nodes,
+                                                        max_depth=max_depth))
+            except ValueError as e:
+                raise ServiceError(422, "id_out_of_range", f"context {i}: {e}") from None
+        return trees
+
+    def _store(self, name: str) -> StoreHandle:
+        handle = self.stores.get(name)
+        if handle is None:
+            if not valid_name(name):
+                raise ServiceError(422, "invalid_name", f"store name must match {NAME.pattern}")
+            raise ServiceError(404, "unknown_store", f"no store {name!r}; this service has {sorted(self.stores)}")
+        return handle
+
+    # -- everything else: FastAPI --
+
+    def _build_api(self) -> FastAPI:
+        api = FastAPI(title="echospec datastore service", version="1")
+        api.add_exception_handler(ServiceError, _service_error_response)
+        api.add_exception_handler(RequestValidationError, lambda _, e: _service_error_response(
+            None, _validation_error(e.errors())))
+        api.add_exception_handler(StarletteHTTPException, lambda _, e: _service_error_response(
+            None, ServiceError(e.status_code, "http_error", str(e.detail))))
+
+        @api.get("/healthz")
+        def health() -> dict:
+            """Liveness: the service answers and has these stores open."""
+            return {"status": "ok", "stores": sorted(self.stores)}
+
+        @api.get("/v1/stores")
+        def list_stores() -> dict:
+            """Every store: vocabulary, sizes, speakers with their utterance and token counts."""
+            return {"stores": [self._describe(h) for h in self.stores.values()]}
+
+        @api.get("/v1/stores/{store}")
+        def get_store(store: str) -> dict:
+            """One store, as in /v1/stores."""
+            return self._describe(self._store(store))
+
+        @api.post("/v1/stores/{store}/speakers/{speaker}")
+        async def enroll_speaker(store: str, speaker: str, request: EnrollRequest) -> dict:
+            """Append (or with `replace`, replace) a speaker's utterances. Acknowledged once the new store
+            and catalog are on disk and proposals are answered from them."""
+            return await self._enroll(store, speaker, request)
+
+        @api.get("/metrics")
+        def metrics() -> Response:
+            """Prometheus text format."""
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        return api
+
+    def _describe(self, handle: StoreHandle) -> dict:
+        info = handle.snapshot.info
+        keep = ("vocabulary", "n_min", "n_max", "utterances", "tokens", "speakers", "exact_bytes", "faiss_bytes",
+                "created_at", "updated_at")
+        return {"name": handle.name, **{k: info[k] for k in keep if k in info}}
+
+    async def _enroll(self, store: str, speaker: str, request: EnrollRequest) -> dict:
+        handle = self._store(store)
+        if not valid_name(speaker):
+            raise ServiceError(422, "invalid_name", f"speaker name must match {NAME.pattern}")
+        self._check_utterances(request.utterances, handle.snapshot)
+        utterances = [u.model_dump() for u in request.utterances]
+        snapshot = await run_in_threadpool(handle.enroll, speaker, utterances, request.replace)
+        self.metrics.enrollments.labels(store).inc()
+        self.metrics.set_store(store, snapshot.info)
+        return {"store": store, "speaker": speaker, "replace": request.replace,
+                "enrolled": len(utterances), **snapshot.info["speakers"][speaker]}
+
+    def _check_utterances(self, utterances: list[Utterance], snapshot: Snapshot) -> None:
+        if len(utterances) > self.limits.max_utterances:
+            raise ServiceError(422, "too_many_utterances",
+                               f"{len(utterances)} utterances, the limit is {self.limits.max_utterances}")
+        lo, hi = snapshot.speech_offset, snapshot.speech_offset + snapshot.vocab_size
+        for i, utt in enumerate(utterances):
+            tokens = np.array(utt.tokens, np.int64)  # strict validation already made these ints
+            outside = (tokens < lo) | (tokens >= hi)
+            if outside.any():
+                bad = tokens[outside]
+                bad = bad[~np.isin(bad, list(snapshot.stop_ids))] if snapshot.stop_ids else bad
+                if bad.size:
+                    raise ServiceError(422, "id_out_of_range", f"utterances[{i}] holds raw id {int(bad[0])}; "
+                                                               f"speech ids are {lo}..{hi - 1} (raw model ids)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# ASGI helpers
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _route(path: str):
+    for endpoint, pattern in ROUTES:
+        match = pattern.fullmatch(path)
+        if match:
+            return endpoint, match
+    return "other", None
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+async def _read_body(scope, receive, limit: int) -> bytes:
+    length = _header(scope, b"content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise ServiceError(413, "body_too_large", f"request body over {limit} bytes")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ServiceError(413, "body_too_large", f"request body over {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """A `receive` that hands the already-read body to the inner app, then defers to the real one."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+
+    return replayed
+
+
+async def _send(send, status: int, body: bytes, content_type: bytes, extra_headers=()) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *extra_headers]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send, error: ServiceError) -> None:
+    # After a 413 the rest of the body is still in the socket: close rather than parse it as a request.
+    extra = [(b"connection", b"close")] if error.status == 413 else []
+    await _send(send, error.status, json.dumps(_error_body(error)).encode(), b"application/json", extra)
+
+
+def _error_body(error: ServiceError) -> dict:
+    return {"error": {"status": error.status, "code": error.code, "message": error.message}}
+
+
+def _service_error_response(_: Request | None, error: ServiceError) -> JSONResponse:
+    return JSONResponse(_error_body(error), status_code=error.status)
+
+
+def _validation_error(errors: list[dict]) -> ServiceError:
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return ServiceError(400, "bad_json", "the body is not valid JSON")
+    parts = [f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+             for e in errors[:5]]
+    return ServiceError(422, "invalid_request", "; ".join(parts))
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running it
+
+
+def read_api_key(api_key_file: str | Path | None = None) -> str | None:
+    """The write key: the file's first line when a file is given, else $ECHOSPEC_API_KEY, else None."""
+    if api_key_file is not None:
+        key = Path(api_key_file).read_text().strip()
+        if not key:
+            raise ValueError(f"{api_key_file}: empty API key file")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(stores: Sequence[str], host: str = "127.0.0.1", port: int = 8750, api_key_file: str | None = None,
+          limits: Limits = Limits(), retriever_options: dict | None = None, log_level: str = "warning") -> None:
+    """Open `stores` (`PATH` or `NAME=PATH`) and serve them until interrupted."""
+    import uvicorn
+
+    named = dict(parse_store_arg(s) for s in stores)
+    if len(named) != len(stores):
+        raise ValueError("two stores share a name; give NAME=PATH")
+    api_key = read_api_key(api_key_file)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not is_loopback(host):
+        log.warning("listening on %s: proposals and store listings are readable by anyone who can reach it", host)
+    if api_key is None:
+        log.warning("no API key (%s or --api-key-file): enrollment is disabled", API_KEY_ENV)
+    service = Service(named, api_key, limits, retriever_options)
+    uvicorn.run(service, host=host, port=port, log_level=log_level, access_log=False, server_header=False,
+                timeout_keep_alive=75, limit_concurrency=1024)

@@ -1,0 +1,98 @@
+"""The propose wire format shared by the service and `RemoteRetriever`: raw little-endian arrays.
+
+Request body (`Content-Type: application/x-echospec`), options travel in the query string:
+    u32 n | u32 lengths[n] | i32 tokens[sum(lengths)]
+Response body:
+    u32 n | u32 sizes[n] | i64 tokens[T] | i32 parents[T] | i32 depths[T] | f32 counts[T] | f32 probs[T]
+    | u8 sources[T]                                              (T = sum(sizes), trees concatenated)
+
+Decoding is a handful of `np.frombuffer` calls, with no per-token Python work; JSON is the readable
+alternative (see retriever/service.py). Errors are always JSON.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+import numpy as np
+
+from .tree import CandidateTree
+
+BINARY = "application/x-echospec"
+JSON = "application/json"
+
+TREE_COLUMNS = (("tokens", np.int64), ("parents", np.int32), ("depths", np.int32),
+                ("counts", np.float32), ("probs", np.float32), ("sources", np.uint8))
+"""CandidateTree's arrays in wire order, with their in-memory dtypes (little-endian on the wire)."""
+_LITTLE = {dtype: np.dtype(dtype).newbyteorder("<") for _, dtype in TREE_COLUMNS}
+_U32 = struct.Struct("<I")
+
+
+class WireError(ValueError):
+    """A body that does not follow the wire format: truncated, trailing bytes, counts past a limit."""
+
+
+def encode_contexts(contexts: Sequence[Sequence[int] | np.ndarray]) -> bytes:
+    """Pack contexts as `u32 n | u32 lengths[n] | i32 tokens`; ids must fit in int32."""
+    arrays = [np.asarray(c) for c in contexts]
+    for a in arrays:
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise ValueError(f"a context must be a 1-D sequence of integer ids, got {a.dtype} of shape {a.shape}")
+        if a.size and (a.min() < -2**31 or a.max() >= 2**31):
+            raise ValueError("context ids must fit in int32")
+    lengths = np.array([a.size for a in arrays], "<u4")
+    tokens = np.concatenate(arrays).astype("<i4") if arrays else np.zeros(0, "<i4")
+    return _U32.pack(len(arrays)) + lengths.tobytes() + tokens.tobytes()
+
+
+def decode_contexts(body: bytes, max_batch: int) -> list[np.ndarray]:
+    """Unpack `encode_contexts`'s bytes into int64 arrays; the length must match exactly."""
+    n = _count(body, max_batch, "contexts")
+    lengths = np.frombuffer(body, "<u4", n, 4).astype(np.int64)
+    expected = 4 + 4 * n + 4 * int(lengths.sum())
+    if len(body) != expected:
+        raise WireError(f"binary contexts: body has {len(body)} bytes, its header says {expected}")
+    tokens = np.frombuffer(body, "<i4", offset=4 + 4 * n).astype(np.int64)
+    return [tokens] if n == 1 else np.split(tokens, np.cumsum(lengths)[:-1]) if n else []
+
+
+def encode_trees(trees: Sequence[CandidateTree]) -> bytes:
+    """Pack trees column by column after a `u32 n | u32 sizes[n]` header."""
+    parts = [_U32.pack(len(trees)), np.array([len(t) for t in trees], "<u4").tobytes()]
+    for name, dtype in TREE_COLUMNS:
+        column = [getattr(t, name) for t in trees]
+        joined = column[0] if len(column) == 1 else np.concatenate(column) if column else np.zeros(0, dtype)
+        parts.append(joined.astype(_LITTLE[dtype], copy=False).tobytes())
+    return b"".join(parts)
+
+
+def decode_trees(body: bytes) -> list[CandidateTree]:
+    """Unpack `encode_trees`'s bytes; each tree gets its own arrays in the CandidateTree dtypes."""
+    n = _count(body, None, "trees")
+    sizes = np.frombuffer(body, "<u4", n, 4).astype(np.int64)
+    total = int(sizes.sum())
+    expected = 4 + 4 * n + total * sum(np.dtype(dtype).itemsize for _, dtype in TREE_COLUMNS)
+    if len(body) != expected:
+        raise WireError(f"binary trees: body has {len(body)} bytes, its header says {expected}")
+    offset, columns = 4 + 4 * n, {}
+    for name, dtype in TREE_COLUMNS:
+        array = np.frombuffer(body, _LITTLE[dtype], total, offset)
+        offset += array.nbytes
+        columns[name] = array.astype(dtype)  # native byte order, a writable copy
+    if n == 1:
+        return [CandidateTree(**columns)]
+    bounds = np.cumsum(sizes)[:-1]
+    split = {name: np.split(a, bounds) if n else [] for name, a in columns.items()}
+    return [CandidateTree(**{name: split[name][i] for name in split}) for i in range(n)]
+
+
+def _count(body: bytes, limit: int | None, what: str) -> int:
+    if len(body) < 4:
+        raise WireError(f"binary {what}: body of {len(body)} bytes is shorter than its 4-byte header")
+    n = _U32.unpack_from(body)[0]
+    if limit is not None and n > limit:
+        raise WireError(f"binary {what}: {n} in one request, the limit is {limit}")
+    if len(body) < 4 + 4 * n:
+        raise WireError(f"binary {what}: header announces {n} entries but the body has {len(body)} bytes")
+    return n
