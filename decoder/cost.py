@@ -1,0 +1,75 @@
+"""Cost-aware node budget: how many tree nodes to verify this step to maximise expected tokens per second.
+
+Verifying N nodes costs one forward over 1 + N tokens. On a GPU that is nearly the price of one token;
+on a CPU it grows quickly. `CostCurve` is the attached model's measured forward time against tree size;
+`NodeBudget` combines it with the tree's path probabilities, calibrated by the acceptance seen so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..retriever.tree import CandidateTree
+
+CURVE_SIZES = (0, 1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class CostCurve:
+    """Median seconds of one verify forward with `sizes[i]` tree nodes (plus the root)."""
+
+    sizes: list[int]
+    seconds: list[float]
+
+    def time(self, nodes) -> np.ndarray:
+        return np.interp(nodes, self.sizes, self.seconds)
+
+    def relative(self) -> list[float]:
+        return [s / self.seconds[0] for s in self.seconds]
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"relative": self.relative()}
+
+
+def prune_order(tree: CandidateTree) -> list[int]:
+    """Nodes by decreasing probability, every node after its parent: keeping any prefix keeps a tree."""
+    ranked = sorted(range(len(tree)), key=lambda i: (-float(tree.probs[i]), int(tree.depths[i]), i))
+    taken: set[int] = set()
+    order = []
+    for i in ranked:
+        if tree.parents[i] < 0 or int(tree.parents[i]) in taken:
+            taken.add(i)
+            order.append(i)
+    return order
+
+
+class NodeBudget:
+    """Chooses each step's node count n maximising (1 + c * S(n)) / (t(n) + t_propose).
+
+    S(n) is the summed path probability of the tree's n most probable nodes (the expected accepted
+    length if the probabilities were calibrated); c calibrates them: accepted over predicted length,
+    decayed so it follows the current utterance, starting from an optimistic prior so trees are tried.
+    """
+
+    def __init__(self, curve: CostCurve, max_nodes: int, prior: float = 1.0, prior_weight: float = 2.0,
+                 decay: float = 0.9):
+        self.curve, self.max_nodes, self.decay = curve, max_nodes, decay
+        self.accepted, self.predicted = prior * prior_weight, prior_weight
+
+    @property
+    def calibration(self) -> float:
+        return self.accepted / self.predicted
+
+    def choose(self, tree: CandidateTree, order: list[int], propose_seconds: float) -> int:
+        if not order:
+            return 0
+        mass = np.concatenate([[0.0], np.cumsum(tree.probs[order[: self.max_nodes]])])
+        nodes = np.arange(len(mass))
+        rate = (1.0 + self.calibration * mass) / (self.curve.time(nodes) + propose_seconds)
+        return int(np.argmax(rate))
+
+    def observe(self, predicted: float, accepted: int) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.predicted = self.decay * self.predicted + predicted

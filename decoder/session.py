@@ -1,0 +1,408 @@
+"""SpeculativeSession: the step-level API (propose -> verify -> accept -> compact) on a Hugging Face causal LM.
+
+The KV cache holds every token except the newest one (`pending`). A step feeds `pending` (the tree's root)
+and the N tree nodes in one forward, with a 4D tree-attention mask and per-node positions; the policy
+walks the logits; the accepted nodes' keys and values are gathered into place right after the root and
+the rest cropped, on transformers' own DynamicCache. The prefix is never run again. Batch size 1 only.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from ..retriever.tree import CandidateTree
+from .cost import CURVE_SIZES, CostCurve, NodeBudget, prune_order
+from .errors import DecoderInputError, UnsupportedModelError
+from .policies import ExactGreedy, Policy, VerifiedTree
+from .sampling import NodeState
+from .vocab import SpeechVocab
+
+ALLOWED_ATTENTION = ("eager", "sdpa")
+AUTO_MAX_NODES = 64
+
+
+def check_model(model) -> None:
+    """Raise UnsupportedModelError unless `model` is a causal LM whose attention takes a 4D additive mask."""
+    if not isinstance(model, PreTrainedModel):
+        raise UnsupportedModelError(f"echospec needs a transformers PreTrainedModel, got {type(model).__name__}")
+    config = model.config
+    causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if config.is_encoder_decoder or not getattr(config, "is_causal", True) or (
+        type(model).__name__ not in causal_names and not type(model).__name__.endswith("ForCausalLM")
+    ):
+        raise UnsupportedModelError(f"{type(model).__name__} is not a decoder-only causal LM")
+    attention = config._attn_implementation
+    if attention not in ALLOWED_ATTENTION:
+        raise UnsupportedModelError(
+            f"attention implementation {attention!r} cannot take a tree-attention mask; load the model with "
+            f"attn_implementation='sdpa' or 'eager' (flash and flex attention are not supported)"
+        )
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    if any(t != "full_attention" for t in layer_types):
+        raise UnsupportedModelError(f"only full-attention layers are supported, the model has {sorted(set(layer_types))}")
+
+
+@dataclass
+class GenerationStats:
+    """Counters and timings of one generation; derived rates are properties and appear in `to_dict()`."""
+
+    new_tokens: int = 0
+    target_forwards: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # per decode step: tree nodes accepted
+    node_budgets: list[int] = field(default_factory=list)  # per decode step: tree nodes verified
+    wall_seconds: float = 0.0
+    propose_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    retriever_errors: int = 0
+    retriever_timeouts: int = 0
+    token_rate: float = 25.0  # speech tokens per second of audio
+    cost_curve: dict | None = None
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.new_tokens / max(self.target_forwards, 1)
+
+    @property
+    def time_per_token(self) -> float:
+        return self.wall_seconds / max(self.new_tokens, 1)
+
+    @property
+    def lm_rtf(self) -> float:
+        """LM real-time factor: generation time over the duration of the audio generated."""
+        return self.wall_seconds / max(self.new_tokens / self.token_rate, 1e-9)
+
+    @property
+    def propose_share(self) -> float:
+        return self.propose_seconds / max(self.wall_seconds, 1e-9)
+
+    def to_dict(self) -> dict:
+        derived = ("tokens_per_forward", "time_per_token", "lm_rtf", "propose_share")
+        return asdict(self) | {name: getattr(self, name) for name in derived}
+
+
+def subtree(tree: CandidateTree, keep) -> CandidateTree:
+    """The nodes `keep` (each with its parent kept), re-indexed in topological order."""
+    keep = sorted(int(i) for i in keep)
+    index = {old: new for new, old in enumerate(keep)}
+    return CandidateTree(
+        tokens=tree.tokens[keep], parents=np.array([index.get(int(tree.parents[i]), -1) for i in keep], np.int32),
+        depths=tree.depths[keep], counts=tree.counts[keep], probs=tree.probs[keep], sources=tree.sources[keep],
+    )
+
+
+class SpeculativeSession:
+    """One utterance's decoding state. `prefill` once, then `step` until `finished`; or drive the stages.
+
+    `max_nodes` is a fixed per-step node budget, or "auto" to choose it each step from the model's
+    measured verify-cost curve and the acceptance so far. A retriever that raises or takes longer than
+    `retriever_timeout` seconds makes that step autoregressive.
+    """
+
+    def __init__(self, model, retriever=None, policy: Policy | None = None, speech: SpeechVocab | None = None,
+                 speech_embedding=None, speaker=None, prompt_speech=None, max_new_tokens: int = 2048,
+                 min_new_tokens: int = 0, max_nodes: int | str = 16, max_depth: int = 8, token_rate: float = 25.0,
+                 retriever_timeout: float = 0.1, cost_curve: CostCurve | None = None):
+        check_model(model)
+        self.model, self.retriever, self.speaker = model, retriever, speaker
+        self.policy = policy or ExactGreedy()
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.speech = speech or SpeechVocab(0, self.vocab_size, _eos_ids(model))
+        if self.speech.offset + self.speech.size > self.vocab_size:
+            raise DecoderInputError(f"{self.speech} reaches past the model's {self.vocab_size} output ids")
+        self.speech_embedding = speech_embedding
+        self.prompt_speech = None if prompt_speech is None else [int(t) for t in prompt_speech]
+        if max_nodes != "auto" and (not isinstance(max_nodes, int) or max_nodes < 0):
+            raise DecoderInputError(f"max_nodes must be a non-negative int or 'auto', got {max_nodes!r}")
+        if max_new_tokens < 1 or min_new_tokens < 0:
+            raise DecoderInputError(f"need max_new_tokens >= 1 and min_new_tokens >= 0, got {max_new_tokens}, {min_new_tokens}")
+        self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
+        self.max_nodes, self.max_depth, self.retriever_timeout = max_nodes, max_depth, retriever_timeout
+        self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 62
+        self.cost_curve, self.budget = cost_curve, None
+        self.stats = GenerationStats(token_rate=token_rate)
+        self.policy.bind(lambda ids: model.get_output_embeddings().weight[ids.to(model.device)])
+        self.cache = DynamicCache(config=model.config)
+        self.cached = 0  # tokens in the KV cache
+        self.prompt_ids: list[int] = []
+        self.generated: list[int] = []  # model ids emitted; the last one is pending (not yet in the cache)
+        self.context: list[int] = []  # the retriever's context: store-local speech ids
+        self.finished = False
+        self._shadow: deque = deque()  # proposed trees waiting to be scored against the real continuation
+        self._idle = self._skip = 0  # auto budget: steps to skip the retriever while trees do not pay
+
+    # ---- inputs -------------------------------------------------------------------------------------
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.speech_embedding
+        vectors = table[ids] if isinstance(table, torch.Tensor) else table(ids)
+        return vectors.to(self.model.dtype)[None]
+
+    def _forward(self, ids: list[int], positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        device = self.model.device
+        ids_tensor = torch.tensor(ids, device=device)
+        inputs = {"inputs_embeds": self._embed(ids_tensor)} if self.speech_embedding is not None else {
+            "input_ids": ids_tensor[None]}
+        start = time.perf_counter()
+        out = self.model(**inputs, attention_mask=mask, position_ids=positions[None].to(device), cache=self.cache,
+                         use_cache=True)
+        self.stats.forward_seconds += time.perf_counter() - start
+        self.stats.target_forwards += 1
+        return out.logits[0].float()
+
+    # ---- prefill ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, input_ids=None, inputs_embeds=None) -> list[int]:
+        """Run the prompt (ids or embeddings, batch 1) and emit the first token; returns the tokens emitted."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise DecoderInputError("pass exactly one of input_ids or inputs_embeds")
+        if self.cached or self.generated:
+            raise DecoderInputError("this session has already been prefilled; start a new session per utterance")
+        device = self.model.device
+        if input_ids is not None:
+            input_ids = torch.as_tensor(input_ids, device=device)
+            input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
+            _check_batch(input_ids.shape, 2, "input_ids")
+            length, inputs = input_ids.shape[1], {"input_ids": input_ids}
+            self.prompt_ids = input_ids[0].tolist()
+        else:
+            inputs_embeds = torch.as_tensor(inputs_embeds, device=device)
+            inputs_embeds = inputs_embeds[None] if inputs_embeds.dim() == 2 else inputs_embeds
+            _check_batch(inputs_embeds.shape, 3, "inputs_embeds")
+            length, inputs = inputs_embeds.shape[1], {"inputs_embeds": inputs_embeds.to(self.model.dtype)}
+        if length == 0:
+            raise DecoderInputError("the prompt is empty")
+        if length >= self.max_positions:
+            raise DecoderInputError(f"the prompt has {length} tokens; the model takes at most {self.max_positions} positions")
+        self.context = list(self.prompt_speech if self.prompt_speech is not None else self.speech.to_local(self.prompt_ids))
+        start = time.perf_counter()
+        out = self.model(**inputs, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.stats.forward_seconds += time.perf_counter() - start
+        self.stats.target_forwards += 1
+        if any(type(layer) is not DynamicLayer for layer in self.cache.layers):
+            raise UnsupportedModelError("the model's cache has layers other than full-attention DynamicLayer")
+        self.cached = length
+        logits = out.logits[0, -1:].float()
+        _, bonus = self.policy.walk(VerifiedTree(logits, [], [[]], self._state_at))
+        if self.max_nodes == "auto" and self.retriever is not None:
+            self._start_budget()
+        return self._emit([bonus])
+
+    # ---- the four stages ----------------------------------------------------------------------------
+
+    def propose(self) -> CandidateTree:
+        """Ask the retriever for a tree and cut it to what this step can use (may be empty)."""
+        if self.retriever is None or self.finished:
+            return CandidateTree.empty()
+        if self._skip:
+            self._skip -= 1
+            return CandidateTree.empty()
+        depth_cap = min(self.max_depth, self.max_new_tokens - len(self.generated),
+                        self.max_positions - 1 - self.cached)
+        cap = AUTO_MAX_NODES if self.max_nodes == "auto" else self.max_nodes
+        if depth_cap <= 0 or cap == 0:
+            return CandidateTree.empty()
+        start = time.perf_counter()
+        try:
+            tree = self.retriever.propose(np.asarray(self.context, np.int64), speaker=self.speaker,
+                                          max_nodes=cap, max_depth=depth_cap)
+        except Exception as exc:  # noqa: BLE001 — any retriever failure only costs speed
+            self.stats.retriever_errors += 1
+            warnings.warn(f"retriever failed ({type(exc).__name__}: {exc}); this step runs autoregressively")
+            return CandidateTree.empty()
+        finally:
+            elapsed = time.perf_counter() - start
+            self.stats.propose_seconds += elapsed
+        if elapsed > self.retriever_timeout:
+            self.stats.retriever_timeouts += 1
+            return CandidateTree.empty()
+        if not isinstance(tree, CandidateTree):
+            raise DecoderInputError(f"the retriever returned {type(tree).__name__}, not a CandidateTree")
+        self.speech.to_model(tree.tokens)  # raises on ids outside the store's vocabulary
+        tree = self._usable(tree, depth_cap)
+        return self._fit_budget(tree, cap, elapsed)
+
+    def _usable(self, tree: CandidateTree, depth_cap: int) -> CandidateTree:
+        """Drop nodes deeper than this step may go and everything below a stop token."""
+        stops = set(self.speech.stop_ids)
+        open_nodes = {-1}  # nodes whose children may be kept
+        keep = []
+        for i in range(len(tree)):
+            if tree.depths[i] <= depth_cap and int(tree.parents[i]) in open_nodes:
+                keep.append(i)
+                if int(tree.tokens[i]) + self.speech.offset not in stops:
+                    open_nodes.add(i)
+        return tree if len(keep) == len(tree) else subtree(tree, keep)
+
+    def _fit_budget(self, tree: CandidateTree, cap: int, propose_seconds: float) -> CandidateTree:
+        if not len(tree):
+            return tree
+        order = prune_order(tree)
+        if self.budget is not None:
+            self._shadow.append((len(self.generated), tree, float(tree.probs[order].sum())))
+            chosen = self.budget.choose(tree, order, propose_seconds)
+            self._idle = 0 if chosen else min(2 * self._idle + 1, 16)
+            self._skip = self._idle
+            cap = chosen
+        return tree if len(tree) <= cap else subtree(tree, order[:cap])
+
+    @torch.no_grad()
+    def verify(self, tree: CandidateTree) -> VerifiedTree:
+        """One forward over the root and every tree node; returns the logits at each position."""
+        n = len(tree)
+        tokens = self.speech.to_model(tree.tokens)
+        positions = self.cached + torch.tensor([0] + tree.depths.tolist(), dtype=torch.long)
+        logits = self._forward([self.generated[-1]] + tokens, positions, self._tree_mask(tree) if n else None)
+        children = [[] for _ in range(n + 1)]
+        for i, parent in enumerate(tree.parents.tolist()):
+            children[parent + 1].append(i)
+        return VerifiedTree(logits, tokens, children, lambda path: self._state_at([tokens[i] for i in path]))
+
+    def _tree_mask(self, tree: CandidateTree) -> torch.Tensor:
+        """Additive float mask [1, 1, 1+N, cached+1+N]: 0 where attending, the dtype's minimum elsewhere.
+
+        Additive, not boolean: eager attention adds the mask to the scores, so a boolean mask would be
+        silently wrong there; SDPA takes either form.
+        """
+        n = len(tree)
+        allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        allowed[:, 0] = True
+        allowed[1:, 1:] = torch.from_numpy(tree.mask)
+        allowed[0, 0] = True
+        dtype = self.model.dtype
+        block = torch.zeros(n + 1, n + 1, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        prefix = torch.zeros(n + 1, self.cached, dtype=dtype)
+        return torch.cat([prefix, block], dim=1)[None, None].to(self.model.device)
+
+    def accept(self, verified: VerifiedTree) -> tuple[list[int], int | None]:
+        """The policy's walk: accepted node indices and the bonus token (None after a stop token)."""
+        return self.policy.walk(verified)
+
+    def compact(self, n_nodes: int, path: list[int]) -> None:
+        """Keep the root and the nodes on `path` in the cache, in order; crop the other nodes of the tree."""
+        root = self.cached
+        if path != list(range(len(path))):
+            source = torch.tensor(path, device=self.model.device) + root + 1
+            for layer in self.cache.layers:
+                if layer.is_initialized and layer.keys.numel():
+                    layer.keys[..., root + 1 : root + 1 + len(path), :] = layer.keys.index_select(-2, source)
+                    layer.values[..., root + 1 : root + 1 + len(path), :] = layer.values.index_select(-2, source)
+        if n_nodes > len(path):
+            self.cache.crop(-(n_nodes - len(path)))
+        self.cached = root + 1 + len(path)
+
+    @torch.no_grad()
+    def step(self) -> list[int]:
+        """propose -> verify -> accept -> compact; returns the tokens emitted (model ids)."""
+        if self.finished:
+            return []
+        if not self.generated:
+            raise DecoderInputError("call prefill() before step()")
+        if self.cached >= self.max_positions:
+            self.finished = True
+            return []
+        tree = self.propose()
+        verified = self.verify(tree)
+        path, bonus = self.accept(verified)
+        emitted = self._emit([verified.tokens[i] for i in path] + ([] if bonus is None else [bonus]))
+        # the cache holds every emitted token but the last: fewer emitted (a stop, the length limit) keep fewer
+        self.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
+        self.stats.accepted_lengths.append(len(path))
+        self.stats.node_budgets.append(len(tree))
+        self._score_shadow_trees()
+        return emitted
+
+    # ---- bookkeeping --------------------------------------------------------------------------------
+
+    def _state_at(self, path_tokens: list[int]) -> NodeState:
+        """The sampler's view at the position after the emitted tokens and `path_tokens`."""
+        n_generated = len(self.generated) + len(path_tokens)
+        history = self.prompt_ids + self.generated + path_tokens
+        return NodeState(history, n_generated, self.speech.stop_ids, n_generated >= self.min_new_tokens)
+
+    def _emit(self, tokens: list[int]) -> list[int]:
+        emitted = []
+        for token in tokens:
+            if len(self.generated) >= self.max_new_tokens:
+                self.finished = True
+                break
+            self.generated.append(token)
+            emitted.append(token)
+            if self.speech.is_speech(token):
+                self.context.append(token - self.speech.offset)
+            if token in self.speech.stop_ids:
+                self.finished = True
+                break
+        if len(self.generated) >= self.max_new_tokens:
+            self.finished = True
+        self.stats.new_tokens = len(self.generated)
+        return emitted
+
+    def _start_budget(self) -> None:
+        if self.cost_curve is None:
+            self.cost_curve = _CURVES.get(self.model) or self.measure_cost_curve()
+            _CURVES[self.model] = self.cost_curve
+        self.stats.cost_curve = self.cost_curve.to_dict()
+        self.budget = NodeBudget(self.cost_curve, AUTO_MAX_NODES)
+
+    @torch.no_grad()
+    def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 3) -> CostCurve:
+        """Median forward time of a verify step with each tree size, on the live cache (cropped back after)."""
+        sizes = [s for s in sizes if self.cached + s < self.max_positions]
+        seconds = []
+        for n in sizes:
+            chain = CandidateTree.from_sequences([[0] * n], max_nodes=n, max_depth=n) if n else CandidateTree.empty()
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                self.verify(chain)
+                times.append(time.perf_counter() - start)
+                self.cache.crop(-(n + 1))
+            seconds.append(float(np.median(times[1:])))
+        self.stats.target_forwards -= len(sizes) * (repeats + 1)
+        return CostCurve(list(sizes), seconds)
+
+    def _score_shadow_trees(self) -> None:
+        """Score proposed trees against the tokens that actually followed, to calibrate the auto budget."""
+        while self._shadow:
+            start, tree, predicted = self._shadow[0]
+            if len(self.generated) < start + tree.max_depth and not self.finished:
+                return
+            self._shadow.popleft()
+            self.budget.observe(predicted, _matched_depth(tree, self.generated[start:], self.speech.offset))
+
+
+_CURVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its measured CostCurve
+
+
+def _matched_depth(tree: CandidateTree, continuation: list[int], offset: int) -> int:
+    node, depth = -1, 0
+    for token in continuation:
+        nxt = [c for c in tree.children(node) if int(tree.tokens[c]) + offset == token]
+        if not nxt:
+            break
+        node, depth = nxt[0], depth + 1
+    return depth
+
+
+def _check_batch(shape, dims: int, name: str) -> None:
+    if len(shape) != dims:
+        raise DecoderInputError(f"{name} must have {dims} dimensions (batch, ...), got shape {tuple(shape)}")
+    if shape[0] != 1:
+        raise DecoderInputError(f"echospec decodes batch size 1 only; {name} has batch size {shape[0]}")
+
+
+def _eos_ids(model) -> tuple[int, ...]:
+    eos = model.generation_config.eos_token_id
+    return () if eos is None else tuple([eos] if isinstance(eos, int) else eos)

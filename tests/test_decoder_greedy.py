@@ -1,0 +1,104 @@
+"""ExactGreedy is token for token Hugging Face greedy decoding; the compacted cache is the full forward's."""
+
+import numpy as np
+import pytest
+import torch
+from decoder_testing import PromptLookup, Scripted, tiny_model
+
+from echospec.decoder import ExactGreedy, SpeculativeSession, SpeechVocab, generate
+from echospec.retriever import CandidateTree
+
+VOCAB = 64
+CASES = [(f, a, p) for f in ("llama", "qwen2") for a in ("sdpa", "eager") for p in ("ids", "embeds")]
+
+
+def hf_greedy(model, ids, prompt, max_new, min_new=0, eos=None):
+    # an explicit all-ones mask: otherwise HF would mask prompt tokens equal to the pad id
+    kwargs = dict(do_sample=False, max_new_tokens=max_new, min_new_tokens=min_new, eos_token_id=eos, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+    if prompt == "ids":
+        return model.generate(ids, **kwargs)[0, ids.shape[1]:].tolist()
+    return model.generate(inputs_embeds=model.get_input_embeddings()(ids), **kwargs)[0].tolist()
+
+
+def ours(model, ids, prompt, retriever, max_new, min_new=0, eos=None, max_nodes=16):
+    speech = SpeechVocab(0, VOCAB, () if eos is None else (eos,))
+    prompt_kw = {"input_ids": ids} if prompt == "ids" else {"inputs_embeds": model.get_input_embeddings()(ids)}
+    return generate(model, retriever, policy=ExactGreedy(), speech=speech, max_new_tokens=max_new,
+                    min_new_tokens=min_new, max_nodes=max_nodes, **prompt_kw)
+
+
+@pytest.mark.parametrize("family,attn,prompt", CASES)
+def test_exact_greedy_equals_hf_generate(family, attn, prompt):
+    model = tiny_model(family, attn, VOCAB, seed=1)
+    gen = torch.Generator().manual_seed(7)
+    forwards = tokens = 0
+    for trial in range(4):
+        ids = torch.randint(0, VOCAB, (1, 6 + 3 * trial), generator=gen)
+        reference = hf_greedy(model, ids, prompt, 40)
+        skip = ids.shape[1] if prompt == "ids" else 0
+        retrievers = [None, PromptLookup(), Scripted(reference, skip, VOCAB, seed=trial),
+                      Scripted(reference, skip, VOCAB, seed=trial, right=False)]
+        for retriever in retrievers:
+            result = ours(model, ids, prompt, retriever, 40)
+            assert result.tokens == reference, (trial, type(retriever).__name__)
+            forwards += result.stats.target_forwards
+            tokens += len(result.tokens)
+        # a stop token inside the trees, with and without a minimum length; a length limit inside a tree
+        stop = reference[9]
+        for min_new in (0, 12):
+            expected = hf_greedy(model, ids, prompt, 40, min_new, eos=stop)
+            scripted = Scripted(expected, skip, VOCAB, depth=8, seed=trial)
+            assert ours(model, ids, prompt, scripted, 40, min_new, eos=stop).tokens == expected
+        for limit in (1, 3, 7):
+            scripted = Scripted(reference, skip, VOCAB, depth=8, seed=trial)
+            assert ours(model, ids, prompt, scripted, limit).tokens == reference[:limit]
+    assert tokens / forwards > 1.5  # the trees were used, not just survived
+
+
+@pytest.mark.parametrize("family,attn", [(f, a) for f in ("llama", "qwen2") for a in ("sdpa", "eager")])
+@pytest.mark.parametrize("speech_table", [False, True])
+def test_compacted_cache_matches_full_forward(family, attn, speech_table):
+    """After gathers and crops, the next-token logits equal a fresh forward over the accepted sequence."""
+    model = tiny_model(family, attn, VOCAB, seed=2)
+    table = torch.nn.Embedding(VOCAB, 32) if speech_table else None
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    reference = ours(model, ids, "ids", None, 30).tokens if table is None else None
+    retriever = Scripted(reference, 9, VOCAB, seed=5) if reference else PromptLookup()
+    prompt_embeds = model.get_input_embeddings()(ids)
+    session = SpeculativeSession(model, retriever, ExactGreedy(), SpeechVocab(0, VOCAB), speech_embedding=table,
+                                 max_new_tokens=30)
+    session.prefill(inputs_embeds=prompt_embeds) if table is not None else session.prefill(input_ids=ids)
+    reordered = 0
+    while not session.finished:
+        tree = session.propose()
+        verified = session.verify(tree)
+        path, bonus = session.accept(verified)
+        reordered += path != list(range(len(path)))
+        emitted = session._emit([verified.tokens[i] for i in path] + [bonus])
+        session.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
+    assert session.cached == ids.shape[1] + len(session.generated) - 1  # all but the pending token
+    with torch.no_grad():
+        last = session.verify(CandidateTree.empty()).logits[0]
+        generated = torch.tensor(session.generated)
+        if table is None:
+            full = model(torch.cat([ids[0], generated])[None]).logits[0, -1]
+        else:
+            full = model(inputs_embeds=torch.cat([prompt_embeds[0], table(generated)])[None]).logits[0, -1]
+    assert float((last - full).abs().max()) <= 1e-4
+    if table is None:
+        assert reordered > 0  # gathers out of order happened
+
+
+def test_cosyvoice_style_speech_table_and_offset():
+    """Speech ids at an offset, embedded by a separate table; output equals plain greedy decoding with it."""
+    model = tiny_model("qwen2", "sdpa", VOCAB, seed=4)
+    table = torch.nn.Embedding(VOCAB, 32)
+    speech = SpeechVocab(offset=4, size=60, stop_ids=(63,))
+    embeds = model.get_input_embeddings()(torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1)))
+    plain = generate(model, None, inputs_embeds=embeds, speech=speech, speech_embedding=table, max_new_tokens=30)
+    assert plain.speech_tokens == [t - 4 for t in plain.tokens if 4 <= t < 64]
+    scripted = Scripted(plain.speech_tokens, 0, speech.size, seed=2)
+    trees = generate(model, scripted, inputs_embeds=embeds, speech=speech, speech_embedding=table, max_new_tokens=30)
+    assert trees.tokens == plain.tokens
+    assert all(speech.is_speech(t) for t in plain.tokens) and trees.stats.tokens_per_forward > 1.5
