@@ -261,7 +261,7 @@ class Service:
             return await self.api(scope, receive, send)
         started = time.perf_counter()
         endpoint, match = _route(scope["path"])
-        status = 500
+        status = None  # until a response starts
 
         async def send_tracked(message):
             nonlocal status
@@ -282,8 +282,13 @@ class Service:
             await _send_error(send_tracked, e)
         except _ClientGone:
             status = 499
+        except Exception:
+            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
+            self.metrics.child(self.metrics.errors, endpoint, "internal").inc()
+            if status is None:
+                await _send_error(send_tracked, ServiceError(500, "internal", "internal error (see the service log)"))
         finally:
-            self.metrics.observe(endpoint, status, time.perf_counter() - started)
+            self.metrics.observe(endpoint, status or 500, time.perf_counter() - started)
 
     def _authenticate(self, scope) -> None:
         if self.api_key is None:
@@ -334,7 +339,10 @@ class Service:
         raw = [request.context] if single else request.contexts
         if len(raw) > self.limits.max_batch:
             raise ServiceError(422, "batch_too_large", f"{len(raw)} contexts, the limit is {self.limits.max_batch}")
-        contexts = [np.array(c, np.int64) if c else np.zeros(0, np.int64) for c in raw]
+        try:
+            contexts = [np.array(c, np.int64) if c else np.zeros(0, np.int64) for c in raw]
+        except OverflowError:
+            raise ServiceError(422, "id_out_of_range", "a context id does not fit in 64 bits") from None
         options = dict(speaker=request.speaker, max_nodes=request.max_nodes, max_depth=request.max_depth)
         return contexts, options, single
 
@@ -389,11 +397,11 @@ class Service:
 
     def _build_api(self) -> FastAPI:
         api = FastAPI(title="echospec datastore service", version="1")
-        api.add_exception_handler(ServiceError, _service_error_response)
-        api.add_exception_handler(RequestValidationError, lambda _, e: _service_error_response(
-            None, _validation_error(e.errors())))
-        api.add_exception_handler(StarletteHTTPException, lambda _, e: _service_error_response(
-            None, ServiceError(e.status_code, "http_error", str(e.detail))))
+        api.add_exception_handler(ServiceError, self._error_response)
+        api.add_exception_handler(RequestValidationError, lambda request, e: self._error_response(
+            request, _validation_error(e.errors())))
+        api.add_exception_handler(StarletteHTTPException, lambda request, e: self._error_response(
+            request, ServiceError(e.status_code, "http_error", str(e.detail))))
 
         @api.get("/healthz")
         def health() -> dict:
@@ -422,6 +430,10 @@ class Service:
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         return api
+
+    def _error_response(self, request: Request, error: ServiceError) -> JSONResponse:
+        self.metrics.child(self.metrics.errors, _route(request.url.path)[0], error.code).inc()
+        return JSONResponse(_error_body(error), status_code=error.status)
 
     def _describe(self, handle: StoreHandle) -> dict:
         info = handle.snapshot.info
@@ -522,10 +534,6 @@ async def _send_error(send, error: ServiceError) -> None:
 
 def _error_body(error: ServiceError) -> dict:
     return {"error": {"status": error.status, "code": error.code, "message": error.message}}
-
-
-def _service_error_response(_: Request | None, error: ServiceError) -> JSONResponse:
-    return JSONResponse(_error_body(error), status_code=error.status)
 
 
 def _validation_error(errors: list[dict]) -> ServiceError:

@@ -1,0 +1,114 @@
+"""Shared pieces of the service tests: a real `echospec serve` subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from echospec.datastore import build
+from echospec.datastore.synthetic import speech_like_corpus, write_jsonl
+
+API_KEY = "test-key-0123456789"
+ECHOSPEC = str(Path(sys.executable).with_name("echospec"))  # the console script of the venv running the tests
+VOCAB = 512
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_store(root: Path, n_tokens: int = 20_000, n_speakers: int = 3, seed: int = 3) -> tuple[Path, list[dict]]:
+    """A datastore (general + per-speaker exact stores, no FAISS) and the corpus it was built from."""
+    corpus = speech_like_corpus(n_tokens, vocab_size=VOCAB, n_speakers=n_speakers, seed=seed)
+    root.mkdir(parents=True, exist_ok=True)
+    write_jsonl(corpus, root / "corpus.jsonl")
+    build(root / "corpus.jsonl", root / "store", faiss=False, progress=False)
+    return root / "store", corpus
+
+
+def copy_store(store: Path, target: Path) -> Path:
+    shutil.copytree(store, target)
+    return target
+
+
+class Server:
+    """`echospec serve STORE --port N` as a subprocess; `url` once `/healthz` answers."""
+
+    def __init__(self, *stores: Path | str, port: int | None = None, api_key: str | None = API_KEY,
+                 args: tuple[str, ...] = ()):
+        self.stores, self.port, self.api_key, self.args = [str(s) for s in stores], port or free_port(), api_key, args
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60.0) -> "Server":
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+        env.pop("ECHOSPEC_API_KEY", None)
+        if self.api_key:
+            env["ECHOSPEC_API_KEY"] = self.api_key
+        command = [ECHOSPEC, "serve", *self.stores, "--port", str(self.port), *self.args]
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n"
+                                   f"{self.process.stdout.read().decode(errors='replace')}")
+            try:
+                if request(self.url, "GET", "/healthz", timeout=1.0)[0] == 200:
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"server on port {self.port} did not answer /healthz within {timeout} s")
+
+    def stop(self) -> None:
+        """SIGTERM (graceful), then SIGKILL if it lingers."""
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def kill(self) -> None:
+        """kill -9: no shutdown, no flush, no cleanup."""
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def request(url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+            timeout: float = 10.0) -> tuple[int, dict, bytes]:
+    """One HTTP request on a fresh connection: (status, headers, body)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        conn.close()
+
+
+def post_json(url: str, path: str, payload, api_key: str | None = None, timeout: float = 30.0):
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    status, _, body = request(url, "POST", path, json.dumps(payload).encode(), headers, timeout)
+    return status, json.loads(body)

@@ -1,0 +1,367 @@
+"""The datastore service over real HTTP: a real `echospec serve` subprocess, nothing mocked."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from service_testing import API_KEY, VOCAB, Server, copy_store, make_store, post_json, request
+
+from echospec.retriever import Retriever
+from echospec.retriever.remote import RemoteRetriever, RetrieverUnavailable, ServiceRequestError
+from echospec.retriever.wire import BINARY, decode_trees, encode_contexts
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return make_store(tmp_path_factory.mktemp("service"))
+
+
+@pytest.fixture(scope="module")
+def store(built, tmp_path_factory):
+    """A copy this module's server may enroll into."""
+    return copy_store(built[0], tmp_path_factory.mktemp("served") / "voices")
+
+
+@pytest.fixture(scope="module")
+def corpus(built):
+    return built[1]
+
+
+@pytest.fixture(scope="module")
+def server(store):
+    with Server(store) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def remote(server):
+    with RemoteRetriever(server.url, store="voices", timeout=5.0) as r:
+        yield r
+
+
+def contexts_of(corpus, n: int, seed: int = 0) -> list[tuple[np.ndarray, str | None]]:
+    """(context, speaker) pairs cut from the corpus at random points; every third without a speaker."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        utt = corpus[int(rng.integers(len(corpus)))]
+        cut = int(rng.integers(1, len(utt["tokens"])))
+        out.append((np.array(utt["tokens"][:cut]), None if i % 3 == 0 else utt["speaker"]))
+    return out
+
+
+def test_health_and_store_listing(server, corpus):
+    status, _, body = request(server.url, "GET", "/healthz")
+    assert status == 200 and json.loads(body) == {"status": "ok", "stores": ["voices"]}
+    status, _, body = request(server.url, "GET", "/v1/stores")
+    (listed,) = json.loads(body)["stores"]
+    assert listed["name"] == "voices" and listed["vocabulary"]["size"] == VOCAB
+    assert set(listed["speakers"]) >= {u["speaker"] for u in corpus}
+    spk = corpus[0]["speaker"]
+    assert listed["speakers"][spk]["utterances"] == sum(u["speaker"] == spk for u in corpus)
+    assert listed["tokens"] == sum(len(u["tokens"]) for u in corpus)
+    status, _, body = request(server.url, "GET", "/v1/stores/voices")
+    assert status == 200 and json.loads(body)["name"] == "voices"
+
+
+def test_propose_json_and_binary_equal_in_process(server, store, corpus):
+    local = Retriever(store)
+    pairs = contexts_of(corpus, 30, seed=1)
+    for context, speaker in pairs:
+        expected = local.propose(context, speaker=speaker).to_dict()
+        status, answer = post_json(server.url, "/v1/stores/voices/propose",
+                                   {"context": context.tolist(), "speaker": speaker})
+        assert status == 200 and answer == {"tree": expected}
+    contexts = [c for c, _ in pairs]
+    status, answer = post_json(server.url, "/v1/stores/voices/propose",
+                               {"contexts": [c.tolist() for c in contexts], "max_nodes": 5, "max_depth": 3})
+    assert answer["trees"] == [local.propose(c, max_nodes=5, max_depth=3).to_dict() for c in contexts]
+    status, _, body = request(server.url, "POST", "/v1/stores/voices/propose?max_nodes=7",
+                              encode_contexts(contexts), {"Content-Type": BINARY})
+    assert status == 200
+    assert [t.to_dict() for t in decode_trees(body)] == [local.propose(c, max_nodes=7).to_dict() for c in contexts]
+
+
+@pytest.mark.parametrize("payload", ["binary", "json"])
+def test_remote_retriever_equals_in_process(server, store, corpus, payload):
+    local = Retriever(store)
+    with RemoteRetriever(server.url, store="voices", timeout=5.0, payload=payload) as remote:
+        assert remote.vocab_size == local.vocab_size
+        assert set(remote.speakers) >= set(local.speakers)
+        for context, speaker in contexts_of(corpus, 40, seed=2):
+            for options in ({}, {"max_nodes": 4, "max_depth": 2}, {"max_nodes": 0}):
+                got, want = remote.propose(context, speaker=speaker, **options), local.propose(context, speaker, **options)
+                assert got.to_dict() == want.to_dict()
+                assert [getattr(got, f).dtype for f in ("tokens", "parents", "depths", "counts", "probs", "sources")] \
+                    == [getattr(want, f).dtype for f in ("tokens", "parents", "depths", "counts", "probs", "sources")]
+        assert len(remote.propose([])) == 0  # as in-process: an empty context has no root
+        with pytest.raises(ValueError, match="0..511"):
+            remote.propose([1, 2, VOCAB])
+        with pytest.raises(ValueError, match="unknown_speaker"):
+            remote.propose([1, 2], speaker="nobody")
+
+
+def run_clients(url: str, store, cases, n_clients: int, per_client: int) -> None:
+    """`n_clients` threads, each its own RemoteRetriever, each `per_client` proposals checked against
+    the in-process answers; zero errors allowed."""
+    local = Retriever(store)
+    expected = [local.propose(c, speaker=s).to_dict() for c, s in cases]
+    errors, mismatches = [], []
+
+    def client(k: int) -> None:
+        try:
+            with RemoteRetriever(url, store="voices", timeout=30.0) as remote:
+                for i in range(per_client):
+                    j = (k * 7919 + i) % len(cases)
+                    context, speaker = cases[j]
+                    if remote.propose(context, speaker=speaker).to_dict() != expected[j]:
+                        mismatches.append((k, i))
+        except Exception as e:  # noqa: BLE001 — collected and asserted below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and mismatches == []
+
+
+def test_32_concurrent_clients(server, store, corpus):
+    run_clients(server.url, store, contexts_of(corpus, 200, seed=3), n_clients=32, per_client=40)
+
+
+@pytest.mark.slow
+def test_32_concurrent_clients_x1000(server, store, corpus):
+    run_clients(server.url, store, contexts_of(corpus, 500, seed=4), n_clients=32, per_client=1000)
+
+
+GOOD = (b'{"context": [1, 2, 3]}', {"Content-Type": "application/json"})
+KEY = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+ENROLL = "/v1/stores/voices/speakers/newcomer"
+UTTERANCE = {"utterances": [{"id": "u1", "tokens": [1, 2, 3, 4]}]}
+MALFORMED = [  # (what, method, path, body, headers, status, error code)
+    ("bad json", "POST", "/v1/stores/voices/propose", b'{"context": [1, 2', {}, 400, "bad_json"),
+    ("not an object", "POST", "/v1/stores/voices/propose", b'[1, 2, 3]', {}, 422, "invalid_request"),
+    ("string ids", "POST", "/v1/stores/voices/propose", b'{"context": ["1", "2"]}', {}, 422, "invalid_request"),
+    ("float ids", "POST", "/v1/stores/voices/propose", b'{"context": [1.5, 2]}', {}, 422, "invalid_request"),
+    ("bool ids", "POST", "/v1/stores/voices/propose", b'{"context": [true, 2]}', {}, 422, "invalid_request"),
+    ("nested ids", "POST", "/v1/stores/voices/propose", b'{"context": [[1], 2]}', {}, 422, "invalid_request"),
+    ("huge id", "POST", "/v1/stores/voices/propose", b'{"context": [1, 99999999999999999999999]}', {}, 422,
+     "id_out_of_range"),
+    ("unknown field", "POST", "/v1/stores/voices/propose", b'{"context": [1], "evil": 1}', {}, 422,
+     "invalid_request"),
+    ("both context and contexts", "POST", "/v1/stores/voices/propose", b'{"context": [1], "contexts": [[1]]}', {},
+     422, "invalid_request"),
+    ("neither", "POST", "/v1/stores/voices/propose", b'{"speaker": "spk00"}', {}, 422, "invalid_request"),
+    ("id out of range", "POST", "/v1/stores/voices/propose", b'{"context": [1, 512]}', {}, 422, "id_out_of_range"),
+    ("negative id", "POST", "/v1/stores/voices/propose", b'{"context": [-1, 2]}', {}, 422, "id_out_of_range"),
+    ("node budget", "POST", "/v1/stores/voices/propose", b'{"context": [1], "max_nodes": 100000}', {}, 422,
+     "out_of_range"),
+    ("negative depth", "POST", "/v1/stores/voices/propose", b'{"context": [1], "max_depth": -1}', {}, 422,
+     "out_of_range"),
+    ("batch too large", "POST", "/v1/stores/voices/propose",
+     json.dumps({"contexts": [[1]] * 257}).encode(), {}, 422, "batch_too_large"),
+    ("context too long", "POST", "/v1/stores/voices/propose",
+     json.dumps({"context": [1] * 70_000}).encode(), {}, 422, "context_too_long"),
+    ("unknown store", "POST", "/v1/stores/nostore/propose", GOOD[0], {}, 404, "unknown_store"),
+    ("traversal store", "POST", "/v1/stores/..%2F..%2Fetc/propose", GOOD[0], {}, 404, "http_error"),
+    ("dotted store", "POST", "/v1/stores/../propose", GOOD[0], {}, 422, "invalid_name"),
+    ("unknown speaker", "POST", "/v1/stores/voices/propose", b'{"context": [1], "speaker": "nobody"}', {}, 404,
+     "unknown_speaker"),
+    ("traversal speaker", "POST", "/v1/stores/voices/propose", b'{"context": [1], "speaker": "../../etc"}', {}, 422,
+     "invalid_name"),
+    ("binary truncated", "POST", "/v1/stores/voices/propose", encode_contexts([[1, 2, 3]])[:-2],
+     {"Content-Type": BINARY}, 400, "bad_body"),
+    ("binary trailing bytes", "POST", "/v1/stores/voices/propose", encode_contexts([[1, 2, 3]]) + b"\0",
+     {"Content-Type": BINARY}, 400, "bad_body"),
+    ("binary lying count", "POST", "/v1/stores/voices/propose", b"\xff\xff\xff\x00" + b"\0" * 8,
+     {"Content-Type": BINARY}, 400, "bad_body"),
+    ("binary id out of range", "POST", "/v1/stores/voices/propose", encode_contexts([[1, 4096]]),
+     {"Content-Type": BINARY}, 422, "id_out_of_range"),
+    ("binary bad query", "POST", "/v1/stores/voices/propose?max_nodes=abc", encode_contexts([[1]]),
+     {"Content-Type": BINARY}, 422, "invalid_request"),
+    ("binary unknown query", "POST", "/v1/stores/voices/propose?path=/etc", encode_contexts([[1]]),
+     {"Content-Type": BINARY}, 422, "invalid_request"),
+    ("media type", "POST", "/v1/stores/voices/propose", GOOD[0], {"Content-Type": "text/plain"}, 415,
+     "unsupported_media_type"),
+    ("enroll without key", "POST", ENROLL, json.dumps(UTTERANCE).encode(), {}, 401, "unauthenticated"),
+    ("enroll wrong key", "POST", ENROLL, json.dumps(UTTERANCE).encode(), {"Authorization": "Bearer nope"}, 403,
+     "forbidden"),
+    ("enroll other scheme", "POST", ENROLL, json.dumps(UTTERANCE).encode(), {"Authorization": f"Basic {API_KEY}"},
+     403, "forbidden"),
+    ("enroll traversal speaker", "POST", "/v1/stores/voices/speakers/..%2E", json.dumps(UTTERANCE).encode(), KEY,
+     422, "invalid_name"),
+    ("enroll dotfile speaker", "POST", "/v1/stores/voices/speakers/.hidden", json.dumps(UTTERANCE).encode(), KEY,
+     422, "invalid_name"),
+    ("enroll ids out of range", "POST", ENROLL, json.dumps({"utterances": [{"id": "a", "tokens": [1, 600]}]}).encode(),
+     KEY, 422, "id_out_of_range"),
+    ("enroll no utterances", "POST", ENROLL, b'{"utterances": []}', KEY, 422, "invalid_request"),
+    ("enroll bad json", "POST", ENROLL, b'{"utterances": ', KEY, 400, "bad_json"),
+    ("enroll unknown store", "POST", "/v1/stores/nostore/speakers/x", json.dumps(UTTERANCE).encode(), KEY, 404,
+     "unknown_store"),
+    ("unknown route", "GET", "/v1/nothing", None, {}, 404, "http_error"),
+    ("wrong method", "DELETE", "/v1/stores/voices", None, KEY, 405, "http_error"),
+]
+
+
+@pytest.mark.parametrize("what,method,path,body,headers,status,code", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_request_gets_json_4xx_and_service_keeps_serving(server, what, method, path, body, headers,
+                                                                   status, code):
+    got, _, answer = request(server.url, method, path, body, {"Content-Type": "application/json", **headers})
+    error = json.loads(answer)["error"]
+    assert (got, error["code"]) == (status, code), error
+    assert error["status"] == status and error["message"]
+    got, answer = post_json(server.url, "/v1/stores/voices/propose", {"context": [1, 2, 3]})
+    assert got == 200 and "tree" in answer
+
+
+def test_huge_body_is_refused_before_it_is_read(server):
+    """A Content-Length over the limit gets its 413 while the client is still sending."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/stores/voices/propose HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000000\r\n\r\n" + b"[1," * 20000)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and json.loads(body)["error"]["code"] == "body_too_large"
+    assert post_json(server.url, "/v1/stores/voices/propose", {"context": [1, 2, 3]})[0] == 200
+
+
+def test_huge_chunked_body_is_refused(server):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    chunks = (b"1," * 65536 for _ in range(100))  # 13 MB, no Content-Length
+    try:
+        conn.request("POST", "/v1/stores/voices/propose", body=chunks, encode_chunked=True,
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 413 and json.loads(response.read())["error"]["code"] == "body_too_large"
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the service answered 413 and closed before the client finished sending: also a refusal
+    finally:
+        conn.close()
+    assert post_json(server.url, "/v1/stores/voices/propose", {"context": [1, 2, 3]})[0] == 200
+
+
+def test_enroll_append_replace_and_atomic_swap(server, store, corpus):
+    remote = RemoteRetriever(server.url, store="voices", timeout=5.0)
+    writer = RemoteRetriever(server.url, store="voices", api_key=API_KEY)
+    donor = [u for u in corpus if u["speaker"] == corpus[0]["speaker"]]
+    first = [{"id": f"a{i}", "tokens": u["tokens"]} for i, u in enumerate(donor[:10])]
+    answer = writer.enroll("carol", first)
+    assert answer["speaker"] == "carol" and answer["utterances"] == 10 and "carol" in remote.speakers
+    context = np.array(donor[3]["tokens"][:20])
+    assert remote.propose(context, speaker="carol").to_dict() == Retriever(store).propose(context, "carol").to_dict()
+
+    # Proposals keep flowing, each from the old snapshot or the new one, while an append runs.
+    before = Retriever(store).propose(context, speaker="carol").to_dict()
+    seen, errors, stop = [], [], threading.Event()
+
+    def propose_until_stopped():
+        with RemoteRetriever(server.url, store="voices", timeout=5.0) as r:
+            while not stop.is_set():
+                try:
+                    seen.append((time.monotonic(), r.propose(context, speaker="carol").to_dict()))
+                except Exception as e:  # noqa: BLE001
+                    errors.append(repr(e))
+
+    thread = threading.Thread(target=propose_until_stopped)
+    thread.start()
+    time.sleep(0.2)
+    more = [{"id": f"b{i}", "tokens": u["tokens"][::-1]} for i, u in enumerate(donor[10:40])]
+    assert writer.enroll("carol", more)["utterances"] == 40
+    acknowledged = time.monotonic()
+    after = Retriever(store).propose(context, speaker="carol").to_dict()
+    time.sleep(0.2)
+    stop.set()
+    thread.join()
+    assert errors == [] and len(seen) > 10
+    assert before != after
+    assert all(tree in (before, after) for _, tree in seen)
+    assert all(tree == after for t, tree in seen if t > acknowledged)
+
+    answer = writer.enroll("carol", first[:2], replace=True)
+    assert answer["utterances"] == 2 and remote.info()["speakers"]["carol"]["utterances"] == 2
+    assert remote.propose(context, speaker="carol").to_dict() == Retriever(store).propose(context, "carol").to_dict()
+
+
+def test_metrics(server):
+    post_json(server.url, "/v1/stores/voices/propose", {"context": [1, 2, 3]})
+    request(server.url, "POST", "/v1/stores/voices/propose", b"{", {"Content-Type": "application/json"})
+    status, headers, body = request(server.url, "GET", "/metrics")
+    text = body.decode()
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert 'echospec_requests_total{endpoint="propose",status="200"}' in text
+    assert 'echospec_request_seconds_bucket{endpoint="propose",le="0.001"}' in text
+    assert 'echospec_errors_total{code="bad_json",endpoint="propose"}' in text
+    tokens = [line for line in text.splitlines() if line.startswith('echospec_store_tokens{store="voices"}')]
+    assert tokens and float(tokens[0].split()[-1]) > 0
+
+
+def test_enrollment_disabled_without_api_key(built, tmp_path):
+    with Server(copy_store(built[0], tmp_path / "voices"), api_key=None) as server:
+        status, answer = post_json(server.url, ENROLL, UTTERANCE, api_key="anything")
+        assert status == 403 and answer["error"]["code"] == "writes_disabled"
+
+
+def test_remote_fails_fast_when_down_and_recovers(built, tmp_path):
+    store = copy_store(built[0], tmp_path / "voices")
+    server = Server(store).start()
+    remote = RemoteRetriever(server.url, store="voices", timeout=0.5, backoff=0.2, max_backoff=0.4)
+    context = np.array(built[1][0]["tokens"][:12])
+    expected = Retriever(store).propose(context).to_dict()
+    try:
+        assert remote.propose(context).to_dict() == expected  # opens a kept-alive connection
+        server.stop()
+        started = time.monotonic()
+        with pytest.raises(RetrieverUnavailable):
+            remote.propose(context)  # refused at once on loopback: no timeout to wait for
+        with pytest.raises(RetrieverUnavailable, match="next try"):
+            remote.propose(context)  # in the back-off window: not even a connection attempt
+        assert time.monotonic() - started < 0.2
+        server.start()  # same port; the client's kept-alive connection is dead now
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                assert remote.propose(context).to_dict() == expected
+                break
+            except RetrieverUnavailable:
+                assert time.monotonic() < deadline, "did not recover after the service came back"
+                time.sleep(0.05)
+        assert not remote.breaker.is_open
+    finally:
+        remote.close()
+        server.stop()
+
+
+def test_remote_times_out_on_a_stalled_service(built, tmp_path):
+    """A service that accepts but never answers (SIGSTOP) costs one timeout, then fails fast."""
+    import signal
+
+    store = copy_store(built[0], tmp_path / "voices")
+    with Server(store) as server:
+        remote = RemoteRetriever(server.url, store="voices", timeout=0.3, backoff=1.0)
+        assert len(remote.propose([1, 2, 3])) >= 0
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(RetrieverUnavailable, match="timed out"):
+                remote.propose([1, 2, 3])
+            assert 0.25 < time.monotonic() - started < 1.0
+            started = time.monotonic()
+            with pytest.raises(RetrieverUnavailable, match="next try"):
+                remote.propose([1, 2, 3])
+            assert time.monotonic() - started < 0.05
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        time.sleep(1.0)
+        assert len(remote.propose([1, 2, 3])) >= 0
+        remote.close()
