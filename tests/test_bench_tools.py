@@ -154,3 +154,27 @@ def test_longest_match_and_counts_agree_with_brute_force(case):
         path = tuple(int(t) for t in tree.tokens[np.flatnonzero(tree.mask[i])])
         assert tree.counts[i] == sum(c[: len(path)] == path for c in continuations) > 0
     assert len(tree) == len({c[:k] for c in continuations for k in range(1, len(c) + 1)})
+
+
+# --- benchmark measurement logic ---------------------------------------------------------------------------
+
+
+def test_oracle_accepts_the_longest_matching_path():
+    from echospec.retriever.tree import CandidateTree
+    from echospec.tools.bench_retriever import accepted
+
+    tree = CandidateTree.from_sequences([[5, 6, 7], [5, 6, 8, 9], [4]], max_nodes=16)
+    assert accepted(tree.tokens, tree.parents, np.array([5, 6, 8, 9, 1])) == 4
+    assert accepted(tree.tokens, tree.parents, np.array([5, 6, 1])) == 2
+    assert accepted(tree.tokens, tree.parents, np.array([6])) == 0
+    assert accepted(tree.tokens, tree.parents, np.array([5, 6])) == 2  # truth ends inside the tree
+    assert accepted(np.zeros(0, np.int64), np.zeros(0, np.int32), np.array([1])) == 0
+
+
+def test_latency_contexts_cover_utterances_in_order():
+    from echospec.tools.bench_retriever import latency_contexts
+
+    held = [np.arange(50), np.arange(30)]
+    contexts = latency_contexts(held, calls=20)
+    assert len(contexts) >= 20
+    assert contexts == sorted(contexts) and all(1 <= pos < len(held[u]) for u, pos in contexts)
