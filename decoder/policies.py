@@ -166,19 +166,19 @@ class SimilarityGroups(Policy):
         super().__init__(seed)
         self.threshold = threshold
         self.sampler = sampler or Sampler()
-        self.embeddings = embeddings
-        self.embed = None
+        self.embed = None if embeddings is None else (lambda ids: embeddings[ids])
+        self._own_embeddings = embeddings is not None
 
     def bind(self, embed):
-        if self.embeddings is not None:
-            self.embed = lambda ids: self.embeddings[ids]
-        else:
+        if not self._own_embeddings:
             self.embed = embed
 
     def choose(self, logits, child_tokens, state):
         token = self.sampler.sample(logits, state, self.generator)
         if not child_tokens or token in child_tokens:
             return _match(child_tokens, token), token
+        if self.embed is None:
+            raise ValueError("SimilarityGroups needs embeddings: pass them, or use it through generate/SpeculativeSession")
         vectors = torch.nn.functional.normalize(self.embed(torch.tensor(child_tokens + [token])).float(), dim=-1)
         similarity = vectors[:-1] @ vectors[-1]
         best = int(torch.argmax(similarity))

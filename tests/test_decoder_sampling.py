@@ -1,0 +1,172 @@
+"""Sampling policies: RAS as CosyVoice does it; ExactSampling and Tolerance(0) keep AR's distribution; relaxed rules."""
+
+import itertools
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from decoder_testing import chi_square_p, tiny_model
+
+from echospec.decoder import (RAS, ExactGreedy, ExactSampling, Filtered, NodeState, Sampler, SimilarityGroups,
+                              SpeechVocab, Tolerance, VerifiedTree, generate)
+from echospec.retriever import CandidateTree
+
+VOCAB = 16
+
+
+def state(history=(), n_generated=None, stops=(), allow_stop=True):
+    history = list(history)
+    return NodeState(history, len(history) if n_generated is None else n_generated, tuple(stops), allow_stop)
+
+
+def test_ras_distribution_is_cosyvoices_rule():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.2, 0.1])
+    logits = probs.log()
+    ras = RAS(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
+    # nucleus: 0.5, 0.2, 0.15 (running sums before them 0, .5, .7 are < .8; .85 is not)
+    fresh = ras.distribution(logits, state([0, 4]))
+    assert torch.allclose(fresh, torch.tensor([0, 0.5, 0.15, 0.2, 0]) / 0.85, atol=1e-6)
+    # token 1 was generated within the window: drawing it means drawing again from the full softmax
+    repeated = ras.distribution(logits, state([1, 4]))
+    expected = torch.tensor([0, 0, 0.15, 0.2, 0]) / 0.85 + (0.5 / 0.85) * probs
+    assert torch.allclose(repeated, expected, atol=1e-6)
+    # the window holds only generated tokens, not the prompt's
+    assert torch.allclose(ras.distribution(logits, state([1, 4], n_generated=1)), fresh, atol=1e-6)
+    assert torch.allclose(RAS(top_k=2).distribution(logits, state()), torch.tensor([0, 0.5, 0, 0.2, 0]) / 0.7, atol=1e-6)
+
+
+@pytest.mark.parametrize("allow_stop", [True, False])
+def test_ras_draws_follow_its_distribution(allow_stop):
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(0)) * 2
+    stop = int(logits.argsort(descending=True)[1])
+    st = state([3, 5, 3, 7], stops=(stop,), allow_stop=allow_stop)
+    ras, generator = RAS(top_p=0.7, top_k=5, win_size=3, tau_r=0.3), torch.Generator().manual_seed(1)
+    draws = Counter(ras.sample(logits, st, generator) for _ in range(4000))
+    expected = ras.distribution(logits, st).double().numpy() * 4000
+    assert chi_square_p(np.array([draws[i] for i in range(12)], float), expected) > 1e-3
+    assert (draws[stop] > 0) == allow_stop
+
+
+def exact_joint(model, prompt, sampler, steps, stop):
+    """P(first `steps` tokens) by full forwards, sequences ending early at the stop token."""
+    table = {}
+
+    def walk(prefix, p):
+        if p < 1e-9:
+            return
+        if len(prefix) == steps or (prefix and prefix[-1] == stop):
+            table[tuple(prefix)] = table.get(tuple(prefix), 0.0) + p
+            return
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + prefix])).logits[0, -1]
+        st = state(prompt + prefix, len(prefix), (stop,), len(prefix) >= 1)
+        for token, q in enumerate(sampler.distribution(logits, st).tolist()):
+            walk(prefix + [token], p * q)
+
+    walk([], 1.0)
+    return table
+
+
+class AllPairs:
+    """A constructed tree: every pair over a few tokens the model likes (right and wrong paths)."""
+
+    def __init__(self, tokens):
+        self.tree = CandidateTree.from_sequences([list(p) for p in itertools.product(tokens, repeat=2)],
+                                                 max_nodes=24, max_depth=2)
+
+    def propose(self, context, speaker=None, max_nodes=None, max_depth=None):
+        return self.tree
+
+
+SAMPLERS = {
+    "sampler": lambda: Sampler(temperature=0.9, top_k=6),
+    "ras": lambda: RAS(top_p=0.8, top_k=25, win_size=10, tau_r=0.1),
+}
+
+
+@pytest.mark.parametrize("kind", ["exact-sampler", "exact-ras", "tolerance0-sampler", "tolerance0-ras"])
+def test_speculative_sampling_keeps_the_autoregressive_distribution(kind):
+    model = tiny_model("llama", "sdpa", VOCAB, seed=3, sharpen=6.0)
+    sampler = SAMPLERS[kind.split("-")[1]]()
+    policy = ExactSampling(sampler) if kind.startswith("exact") else Tolerance(0.0, sampler)
+    prompt, stop, steps, draws = [3, 9, 4, 1, 12], 5, 3, 500
+    joint = exact_joint(model, prompt, sampler, steps, stop)
+    with torch.no_grad():
+        likely = model(torch.tensor([prompt])).logits[0, -1].topk(4).indices.tolist()
+    retriever, speech = AllPairs(likely), SpeechVocab(0, VOCAB, (stop,))
+    counts, accepted = Counter(), 0
+    for seed in range(draws):
+        result = generate(model, retriever, input_ids=prompt, policy=policy, speech=speech, seed=seed,
+                          max_new_tokens=steps, min_new_tokens=1, max_nodes=24)
+        counts[tuple(result.tokens)] += 1
+        accepted += sum(result.stats.accepted_lengths)
+    cells = sorted(joint)
+    assert set(counts) <= set(cells)
+    p = chi_square_p(np.array([counts[c] for c in cells], float), np.array([joint[c] for c in cells]) * draws)
+    assert p > 1e-3, p
+    assert accepted > draws / 4  # the trees were actually used
+
+
+def verified(logits, sequences, history=(), stops=()):
+    tree = CandidateTree.from_sequences(sequences, max_nodes=32, max_depth=4)
+    children = [tree.children(i).tolist() for i in range(-1, len(tree))]
+    tokens = tree.tokens.tolist()
+    rows = torch.stack([logits] * (len(tree) + 1))
+    st = lambda path: state(list(history) + [tokens[i] for i in path], stops=stops)  # noqa: E731
+    return VerifiedTree(rows, tokens, children, st), tokens
+
+
+def test_filtered_honours_tau_and_the_repetition_rule():
+    logits = torch.tensor([0.0, 3.0, 2.0, 1.0, -1.0, -2.0])  # ranking 1 > 2 > 3 > 0 > 4 > 5
+    tree, tokens = verified(logits, [[2], [1]])
+    path, _ = Filtered(tau=1).walk(tree)
+    assert [tokens[i] for i in path] == [1]
+    tree, tokens = verified(logits, [[2], [3]])
+    assert Filtered(tau=1).walk(tree)[0] == []
+    assert [tokens[i] for i in Filtered(tau=2).walk(tree)[0]] == [2]
+    assert [tokens[i] for i in Filtered(tau=3).walk(tree)[0]] == [2]  # both pass: the target's likelier wins
+    tree, tokens = verified(logits, [[1]], history=[1, 0, 0])
+    assert Filtered(tau=6).walk(tree)[0] == []  # 1 was generated within the window: a retrieved loop is cut
+
+
+def test_tolerance_beta_bounds():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    tree, tokens = verified(logits, [[3], [2]])
+    assert len(Tolerance(beta=1.0, seed=0).walk(tree)[0]) == 1  # accepts any draft
+    policy, n = Tolerance(beta=0.0, seed=1), 4000
+    emitted = Counter()
+    for _ in range(n):
+        path, bonus = policy.walk(tree)
+        emitted[tokens[path[0]] if path else bonus] += 1
+    q = torch.softmax(logits, 0).double().numpy()
+    assert chi_square_p(np.array([emitted[i] for i in range(4)], float), q * n) > 1e-3
+
+
+def test_similarity_groups_accept_within_the_group_only():
+    embeddings = torch.eye(6)
+    embeddings[3] = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 1.0])  # token 3 ~ token 5 (cosine 0.995)
+    logits = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 9.0])
+    greedy_sampler = Sampler(top_k=1)  # always samples token 5
+    tree, tokens = verified(logits, [[3], [4]])
+    assert [tokens[i] for i in SimilarityGroups(0.9, greedy_sampler, embeddings).walk(tree)[0]] == [3]
+    assert SimilarityGroups(0.999, greedy_sampler, embeddings).walk(tree)[0] == []
+    assert SimilarityGroups(0.9, greedy_sampler, embeddings).walk(verified(logits, [[4]])[0]) == ([], 5)
+
+
+def test_relaxed_policies_accept_at_least_as_much_as_exact_ones():
+    generator = torch.Generator().manual_seed(0)
+    embeddings = torch.randn(VOCAB, 8, generator=generator)
+    policies = {"exact": ExactSampling(Sampler(), seed=0), "greedy": ExactGreedy(),
+                "filtered": Filtered(tau=4, sampler=Sampler(), win_size=1, tau_r=1.0, seed=0),
+                "tolerance": Tolerance(0.3, Sampler(), seed=0),
+                "similarity": SimilarityGroups(0.5, Sampler(), embeddings, seed=0)}
+    accepted = Counter()
+    for _ in range(300):
+        logits = torch.randn(VOCAB, generator=generator) * 2
+        sequences = torch.randint(0, VOCAB, (4, 3), generator=generator).tolist()
+        tree, _ = verified(logits, sequences)
+        for name, policy in policies.items():
+            accepted[name] += len(policy.walk(tree)[0])
+    for relaxed in ("filtered", "tolerance", "similarity"):
+        assert accepted[relaxed] > accepted["exact"], accepted
