@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -13,6 +14,10 @@ from .policies import ExactGreedy, ExactSampling, Policy
 from .sampling import Sampler
 from .session import GenerationStats, SpeculativeSession
 from .vocab import SpeechVocab
+
+
+HF_CUSTOM_GENERATE_DIR = str(Path(__file__).parent / "hf_custom_generate")
+"""A local `custom_generate` folder for `model.generate(custom_generate=..., trust_remote_code=True)`."""
 
 
 @dataclass

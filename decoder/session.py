@@ -195,9 +195,10 @@ class SpeculativeSession:
         self.cached = length
         logits = out.logits[0, -1:].float()
         _, bonus = self.policy.walk(VerifiedTree(logits, [], [[]], self._state_at))
-        if self.max_nodes == "auto" and self.retriever is not None:
+        emitted = self._emit([bonus])
+        if self.max_nodes == "auto" and self.retriever is not None and not self.finished:
             self._start_budget()
-        return self._emit([bonus])
+        return emitted
 
     # ---- the four stages ----------------------------------------------------------------------------
 

@@ -63,6 +63,17 @@ class Scripted:
         return CandidateTree.from_sequences(sequences, weights, max_nodes=max_nodes or 16, max_depth=max_depth or 8)
 
 
+class Wrong:
+    """Proposes random paths: what a retriever with nothing relevant in its store does."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.vocab, self.rng = vocab, np.random.default_rng(seed)
+
+    def propose(self, context, speaker=None, max_nodes=None, max_depth=None):
+        sequences = self.rng.integers(0, self.vocab, (4, max_depth or 8)).tolist()
+        return CandidateTree.from_sequences(sequences, max_nodes=max_nodes or 16, max_depth=max_depth or 8)
+
+
 class Raising:
     def propose(self, *args, **kwargs):
         raise RuntimeError("retriever is down")

@@ -1,0 +1,172 @@
+"""The Hugging Face hooks, bad input, failing retrievers, the cost-aware budget and the real Retriever."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from decoder_testing import PromptLookup, Raising, Scripted, Slow, Wrong, tiny_model
+
+from echospec.decoder import (HF_CUSTOM_GENERATE_DIR, CostCurve, DecoderInputError, ExactGreedy, NodeBudget,
+                              SpeechVocab, UnsupportedModelError, generate, hf_generate)
+from echospec.decoder.cost import prune_order
+from echospec.retriever import CandidateTree
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", "sdpa", VOCAB, seed=1)
+
+
+def prompt(n=8, seed=0):
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, ids, n=24):
+    return generate(model, None, input_ids=ids, max_new_tokens=n, speech=SpeechVocab(0, VOCAB)).tokens
+
+
+def test_hf_custom_generate_callable_and_folder(model):
+    ids = prompt()
+    common = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20, pad_token_id=0)
+    reference = model.generate(ids, **common)
+    assert torch.equal(model.generate(ids, custom_generate=hf_generate, retriever=PromptLookup(), **common), reference)
+    folder = model.generate(ids, custom_generate=HF_CUSTOM_GENERATE_DIR, trust_remote_code=True,
+                            retriever=PromptLookup(), **common)
+    assert torch.equal(folder, reference)
+    embeds = model.get_input_embeddings()(ids)
+    del common["attention_mask"]
+    assert torch.equal(model.generate(inputs_embeds=embeds, custom_generate=hf_generate, retriever=PromptLookup(),
+                                      **common), model.generate(inputs_embeds=embeds, **common))
+
+
+def test_hf_custom_generate_sampling_is_seeded(model):
+    ids = prompt()
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, top_k=8, temperature=0.8, max_new_tokens=16,
+                  pad_token_id=0, custom_generate=hf_generate, retriever=PromptLookup())
+    a, b = model.generate(ids, seed=3, **kwargs), model.generate(ids, seed=3, **kwargs)
+    assert torch.equal(a, b) and a.shape == (1, 8 + 16)
+
+
+class OutOfRange:
+    def propose(self, context, **kwargs):
+        return CandidateTree.from_sequences([[VOCAB + 5]])
+
+
+class NotATree:
+    def propose(self, context, **kwargs):
+        return [1, 2, 3]
+
+
+def test_bad_input_is_refused_clearly(model):
+    with pytest.raises(DecoderInputError, match="batch size 1"):
+        generate(model, None, input_ids=torch.zeros(2, 4, dtype=torch.long), max_new_tokens=3)
+    with pytest.raises(DecoderInputError, match="exactly one"):
+        generate(model, None, max_new_tokens=3)
+    with pytest.raises(DecoderInputError, match="empty"):
+        generate(model, None, input_ids=torch.zeros(1, 0, dtype=torch.long), max_new_tokens=3)
+    with pytest.raises(DecoderInputError, match="positions"):
+        generate(model, None, input_ids=torch.zeros(1, 128, dtype=torch.long), max_new_tokens=3)
+    with pytest.raises(DecoderInputError, match="outside the store's vocabulary"):
+        generate(model, OutOfRange(), input_ids=prompt(), speech=SpeechVocab(0, VOCAB), max_new_tokens=5)
+    with pytest.raises(DecoderInputError, match="not a CandidateTree"):
+        generate(model, NotATree(), input_ids=prompt(), max_new_tokens=5)
+    with pytest.raises(DecoderInputError, match="reaches past"):
+        generate(model, None, input_ids=prompt(), speech=SpeechVocab(10, VOCAB), max_new_tokens=5)
+    with pytest.raises(DecoderInputError, match="padded"):
+        ids = prompt()
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0
+        model.generate(ids, attention_mask=mask, custom_generate=hf_generate, max_new_tokens=3, pad_token_id=0)
+    with pytest.raises(DecoderInputError, match="max_nodes"):
+        generate(model, None, input_ids=prompt(), max_nodes=-1)
+
+
+def test_unsupported_models_are_refused():
+    flash = tiny_model("llama", "sdpa", VOCAB)
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(UnsupportedModelError, match="flash"):
+        generate(flash, None, input_ids=prompt(), max_new_tokens=3)
+    with pytest.raises(UnsupportedModelError, match="not a decoder-only causal LM"):
+        generate(tiny_model("llama", "sdpa", VOCAB).model, None, input_ids=prompt(), max_new_tokens=3)
+    with pytest.raises(UnsupportedModelError, match="PreTrainedModel"):
+        generate(torch.nn.Linear(2, 2), None, input_ids=prompt(), max_new_tokens=3)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                           sliding_window=8, max_window_layers=0, attn_implementation="sdpa"))
+    with pytest.raises(UnsupportedModelError, match="full-attention"):
+        generate(sliding, None, input_ids=prompt(), max_new_tokens=3)
+
+
+def test_failing_or_slow_retriever_only_costs_speed(model):
+    ids = prompt(seed=2)
+    reference = greedy(model, ids)
+    with pytest.warns(UserWarning, match="retriever failed"):
+        broken = generate(model, Raising(), input_ids=ids, max_new_tokens=24)
+    assert broken.tokens == reference and broken.stats.retriever_errors == len(broken.stats.accepted_lengths) > 0
+    slow = generate(model, Slow(), input_ids=ids, max_new_tokens=24, retriever_timeout=0.001)
+    assert slow.tokens == reference and slow.stats.retriever_timeouts > 0 and max(slow.stats.node_budgets) == 0
+
+
+def test_stats_and_streamer(model):
+    ids = prompt(seed=4)
+    reference = greedy(model, ids, 30)
+    received = []
+
+    class Streamer:
+        def put(self, tokens):
+            received.extend(tokens)
+
+    result = generate(model, Scripted(reference, 8, VOCAB), input_ids=ids, max_new_tokens=30, streamer=Streamer(),
+                      token_rate=50.0)
+    stats = result.stats.to_dict()
+    assert received == result.tokens == reference
+    assert stats["target_forwards"] == 1 + len(stats["accepted_lengths"])
+    assert stats["tokens_per_forward"] == pytest.approx(30 / stats["target_forwards"])
+    assert stats["lm_rtf"] == pytest.approx(stats["wall_seconds"] / (30 / 50.0))
+    assert 0 <= stats["propose_share"] < 1 and stats["time_per_token"] > 0
+
+
+def test_budget_follows_the_cost_curve_and_acceptance():
+    tree = CandidateTree.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 7], [8, 9]], [6, 1, 1], max_nodes=16, max_depth=8)
+    order = prune_order(tree)
+    gpu = NodeBudget(CostCurve([0, 1, 64], [1.0, 1.01, 1.1]), 64)
+    cpu = NodeBudget(CostCurve([0, 1, 2, 4, 8, 64], [1.0, 1.3, 1.6, 2.2, 3.4, 20.0]), 64)
+    assert gpu.choose(tree, order, 0.0) == len(tree)
+    assert 0 < cpu.choose(tree, order, 0.0) < len(tree)
+    for _ in range(30):  # trees that never pay: the budget drops to nothing
+        cpu.observe(predicted=3.0, accepted=0)
+    assert cpu.choose(tree, order, 0.0) == 0
+
+
+def test_auto_budget_end_to_end(model):
+    ids = prompt(seed=5)
+    reference = greedy(model, ids, 40)
+    right = generate(model, Scripted(reference, 8, VOCAB, depth=6), input_ids=ids, max_new_tokens=40, max_nodes="auto")
+    assert right.tokens == reference and right.stats.tokens_per_forward > 2
+    assert right.stats.cost_curve["sizes"][0] == 0 and len(right.stats.cost_curve["seconds"]) > 3
+    cpu_like = CostCurve([0, 1, 2, 4, 8, 16, 32, 64], [1e-3 * (1 + 0.2 * n) for n in (0, 1, 2, 4, 8, 16, 32, 64)])
+    wrong = generate(model, Wrong(VOCAB), input_ids=ids, max_new_tokens=40, max_nodes="auto", cost_curve=cpu_like)
+    assert wrong.tokens == reference and wrong.stats.node_budgets[-10:] == [0] * 10
+
+
+def test_with_the_real_retriever(model, tmp_path):
+    from echospec.datastore import build
+    from echospec.datastore.synthetic import write_jsonl
+    from echospec.retriever import Retriever
+
+    prompts = [prompt(6, seed) for seed in range(12)]
+    corpus = [{"id": f"u{i}", "speaker": "spk", "tokens": ids[0].tolist() + greedy(model, ids, 40)}
+              for i, ids in enumerate(prompts)]
+    write_jsonl(corpus, tmp_path / "corpus.jsonl")
+    build(tmp_path / "corpus.jsonl", tmp_path / "store", faiss=False, progress=False, vocab_size=VOCAB)
+    retriever = Retriever(tmp_path / "store")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = generate(model, retriever, input_ids=prompts[3], speaker="spk", max_new_tokens=40,
+                          speech=SpeechVocab(0, VOCAB))
+    assert result.tokens == corpus[3]["tokens"][6:]
+    assert result.stats.tokens_per_forward > 2 and result.stats.retriever_errors == 0
