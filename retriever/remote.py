@@ -8,16 +8,18 @@ A decoder uses either unchanged. When the service is slow or down, `propose` rai
 consecutive failure, up to `max_backoff`), immediately without touching the network: the decoder
 steps autoregressively meanwhile and proposals resume on the first successful trial call.
 
-HTTP/1.1 over the standard library's `http.client`, one kept-alive connection per thread: on
-loopback a request costs about a quarter of what it costs through httpx (see
-tools/bench_service.py), and connections are never shared between threads, so any number of
-threads may call one RemoteRetriever.
+HTTP/1.1 on a plain socket (each request in one send, answers parsed by the standard library's
+http.client), one kept-alive connection per thread: on loopback a request costs a fraction of what
+it costs through httpx (see tools/bench_service.py), and connections are never shared between
+threads, so any number of threads may call one RemoteRetriever.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import socket
+import ssl
 import threading
 import time
 from typing import Sequence
@@ -105,13 +107,15 @@ class RemoteRetriever:
         if payload not in PAYLOADS:
             raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
         self.url, self.store, self.timeout, self.payload = url.rstrip("/"), store, float(timeout), payload
-        self._connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._host, self._port = parts.hostname, parts.port
+        if api_key is not None and not (api_key.isascii() and api_key.isprintable() and " " not in api_key):
+            raise ValueError("api_key must be printable ASCII without spaces")
+        self._tls = ssl.create_default_context() if parts.scheme == "https" else None
+        self._host, self._port = parts.hostname, parts.port or (443 if self._tls else 80)
         self._prefix = f"{parts.path.rstrip('/')}/v1/stores/{quote(store, safe='')}"
         self._api_key = api_key
         self.breaker = CircuitBreaker(backoff, max_backoff)
         self._local = threading.local()
-        self._connections: list[http.client.HTTPConnection] = []
+        self._connections: list[_Connection] = []
         self._connections_lock = threading.Lock()
         self._vocab_size: int | None = None
 
@@ -196,34 +200,24 @@ class RemoteRetriever:
         if self._api_key and method != "GET":
             headers["Authorization"] = f"Bearer {self._api_key}"
         conn = self._connection()
-        reused = conn.sock is not None
+        reused = conn.is_open
         try:
             try:
-                return self._roundtrip(conn, method, path, body, headers, timeout)
+                return conn.request(method, path, body, headers, timeout)
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 if not reused:
                     raise
                 # The service closed an idle kept-alive connection (or restarted): retry once, fresh socket.
                 conn.close()
-                return self._roundtrip(conn, method, path, body, headers, timeout)
+                return conn.request(method, path, body, headers, timeout)
         except BaseException:
             conn.close()  # never reuse a connection in an unknown state
             raise
 
-    @staticmethod
-    def _roundtrip(conn, method, path, body, headers, timeout) -> tuple[int, bytes]:
-        conn.timeout = timeout
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout)
-        conn.request(method, path, body=body, headers=headers)
-        response = conn.getresponse()
-        return response.status, response.read()
-
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self) -> "_Connection":
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._connection_class(self._host, self._port, timeout=self.timeout)
-            self._local.conn = conn
+            conn = self._local.conn = _Connection(self._host, self._port, self._tls)
             with self._connections_lock:
                 self._connections.append(conn)
         return conn
@@ -242,6 +236,43 @@ class RemoteRetriever:
 
     def __repr__(self) -> str:
         return f"RemoteRetriever({self.url!r}, store={self.store!r}, payload={self.payload!r})"
+
+
+class _Connection:
+    """One kept-alive HTTP/1.1 connection. A request leaves in one send on a TCP_NODELAY socket
+    (http.client sends headers and body separately, and Nagle's algorithm may hold the second
+    segment back until the first is acknowledged); the answer is parsed by http.client."""
+
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None):
+        self.host, self.port, self.tls = host, port, tls
+        self.host_header = f"Host: {host}:{port}\r\n"
+        self.sock: socket.socket | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self.sock is not None
+
+    def request(self, method: str, path: str, body: bytes | None, headers: dict, timeout: float) -> tuple[int, bytes]:
+        if self.sock is None:
+            sock = socket.create_connection((self.host, self.port), timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock = self.tls.wrap_socket(sock, server_hostname=self.host) if self.tls else sock
+        self.sock.settimeout(timeout)
+        body = body or b""
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.sock.sendall(f"{method} {path} HTTP/1.1\r\n{self.host_header}Content-Length: {len(body)}\r\n{head}\r\n"
+                          .encode("latin-1") + body)
+        response = http.client.HTTPResponse(self.sock, method=method)
+        response.begin()
+        data = response.read()
+        if response.will_close:
+            self.close()
+        return response.status, data
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 def _error(data: bytes) -> dict:

@@ -1,0 +1,300 @@
+"""Datastore service benchmark: propose over loopback HTTP beside the in-process retriever, same run.
+
+For each concurrency (1, 8, 32 client processes, closed loop: each sends its next request when the last
+is answered) and each request shape (one context, or a batch of 8 contexts), the clients are, in rounds
+that alternate A B C D (rotated every round, after a warm-up of each):
+  inproc       each client process proposes from its own in-process Retriever (the baseline)
+  binary       RemoteRetriever, raw little-endian arrays (the client default)
+  json         RemoteRetriever, JSON bodies
+  httpx        httpx.Client posting the same binary bodies (single contexts only), to justify the client
+Reported per cell: requests/s, contexts/s and p50/p99/min/max latency, as the median over rounds (and the
+min/max of each over rounds). Clients are processes, not threads: threads would measure their own GIL.
+Every process pins its thread pools to one thread; the service is one uvicorn process on one event loop.
+
+With --profile the service is sampled by py-spy while 8 clients send single binary proposals, and the
+samples are grouped into where the service's time goes.
+
+    python -m echospec.tools.bench_service --out bench/service           # ~4 minutes
+    python -m echospec.tools.bench_service --store my_store --rounds 5 --seconds 3 --profile
+"""
+
+from __future__ import annotations
+
+import os
+
+THREADS = "1"  # pinned before numpy/numba load their thread pools
+for _var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[_var] = THREADS
+
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
+import numpy as np  # noqa: E402
+
+MODES = ("inproc", "binary", "json", "httpx")
+WARMUP_CALLS = 200
+
+
+# ---------------------------------------------------------------------------------------------------
+# Clients (each in its own process)
+
+
+def make_client(mode: str, url: str, store_name: str, store_dir: str):
+    """A callable proposing a list of (context, speaker) pairs in one request (or in-process call)."""
+    if mode == "inproc":
+        from ..retriever import Retriever
+
+        retriever = Retriever(store_dir)
+        return lambda batch: [retriever.propose(c, speaker=s) for c, s in batch]
+    if mode == "httpx":
+        import httpx
+
+        from ..retriever.wire import BINARY, decode_trees, encode_contexts
+
+        client = httpx.Client(timeout=10.0)
+        endpoint = f"{url}/v1/stores/{store_name}/propose"
+
+        def call(batch):
+            answer = client.post(endpoint, params={"speaker": batch[0][1]} if batch[0][1] else None,
+                                 content=encode_contexts([c for c, _ in batch]), headers={"Content-Type": BINARY})
+            answer.raise_for_status()
+            return decode_trees(answer.content)
+
+        return call
+    from ..retriever.remote import RemoteRetriever
+
+    remote = RemoteRetriever(url, store=store_name, timeout=10.0, payload=mode)
+    return lambda batch: remote.propose_batch([c for c, _ in batch], speaker=batch[0][1])
+
+
+def client_process(mode, url, store_name, store_dir, requests, seconds, barrier, results) -> None:
+    call = make_client(mode, url, store_name, store_dir)
+    for i in range(WARMUP_CALLS):
+        call(requests[i % len(requests)])
+    barrier.wait()
+    latencies, i = [], 0
+    clock = time.perf_counter
+    end = clock() + seconds
+    while (start := clock()) < end:
+        call(requests[i % len(requests)])
+        latencies.append(clock() - start)
+        i += 1
+    results.put(np.array(latencies))
+
+
+def run_cell(mode, clients, requests_per_client, url, store_name, store_dir, seconds) -> dict:
+    ctx = mp.get_context("fork")  # the parent has loaded everything already; no threads are running
+    barrier, results = ctx.Barrier(clients + 1), ctx.Queue()
+    procs = [ctx.Process(target=client_process, args=(mode, url, store_name, store_dir, requests_per_client[k],
+                                                      seconds, barrier, results)) for k in range(clients)]
+    for p in procs:
+        p.start()
+    barrier.wait()
+    started = time.perf_counter()
+    latencies = np.concatenate([results.get(timeout=seconds + 120) for _ in procs])
+    elapsed = time.perf_counter() - started
+    for p in procs:
+        p.join()
+    batch = len(requests_per_client[0][0])
+    return {"requests_per_s": len(latencies) / max(elapsed, seconds), "contexts_per_s": batch * len(latencies) / max(elapsed, seconds),
+            "p50_ms": float(np.percentile(latencies, 50)) * 1e3, "p99_ms": float(np.percentile(latencies, 99)) * 1e3,
+            "min_ms": float(latencies.min()) * 1e3, "max_ms": float(latencies.max()) * 1e3, "n": len(latencies)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The service under test
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_service(store_dir: Path, store_name: str, port: int) -> subprocess.Popen:
+    from ..retriever.remote import RemoteRetriever, RetrieverUnavailable
+
+    echospec = str(Path(sys.executable).with_name("echospec"))
+    proc = subprocess.Popen([echospec, "serve", f"{store_name}={store_dir}", "--port", str(port)])
+    probe = RemoteRetriever(f"http://127.0.0.1:{port}", store=store_name, timeout=1.0, backoff=0.0)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            probe.info()
+            return proc
+        except RetrieverUnavailable:
+            if proc.poll() is not None:
+                raise SystemExit(f"the service exited with {proc.returncode}")
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("the service did not come up within 120 s")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where the time goes: py-spy samples of the service, grouped
+
+CATEGORIES = (  # first match wins, checked from the innermost frame outwards
+    ("retriever: propose (numba kernels, tree)", ("retriever/retriever.py", "retriever/tree.py")),
+    ("wire: decode contexts / encode trees", ("retriever/wire.py",)),
+    ("metrics (prometheus_client)", ("prometheus_client",)),
+    ("service: routing, body, validation", ("retriever/service.py",)),
+    ("uvicorn + httptools: HTTP parsing, response", ("uvicorn/", "httptools")),
+    ("event loop (uvloop/asyncio), socket I/O", ("uvloop", "asyncio/", "selectors")),
+)
+
+
+def profile_service(pid: int, seconds: float, out: Path) -> dict:
+    raw = out / "service_profile.txt"
+    subprocess.run(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "1000",
+                    "--format", "raw", "--nonblocking", "--output", str(raw)], check=True, capture_output=True)
+    groups, leaves, total = Counter(), Counter(), 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames, n = stack.split(";"), int(count)
+        total += n
+        leaves[frames[-1]] += n
+        groups[next((name for frame in reversed(frames) for name, keys in CATEGORIES
+                     if any(k in frame for k in keys)), "other")] += n
+    return {"samples": total, "share": {k: round(v / total, 3) for k, v in groups.most_common()},
+            "top_leaf_functions": [(k, round(v / total, 3)) for k, v in leaves.most_common(12)]}
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def make_requests(corpus: list[dict], n: int, batch: int, seed: int) -> list[list[tuple[np.ndarray, str]]]:
+    """`n` requests of `batch` (context, speaker) pairs cut from corpus utterances (one speaker a request)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        utt = corpus[int(rng.integers(len(corpus)))]
+        speaker = utt["speaker"]
+        same = [u for u in corpus[:400] if u["speaker"] == speaker] or [utt]
+        pairs = []
+        for j in range(batch):
+            u = utt if j == 0 else same[int(rng.integers(len(same)))]
+            cut = int(rng.integers(min(20, len(u["tokens"]) - 1), len(u["tokens"])))
+            pairs.append((np.array(u["tokens"][:cut], np.int64), speaker))
+        out.append(pairs)
+    return out
+
+
+@click.command()
+@click.option("--store", "store_dir", type=click.Path(exists=True, file_okay=False),
+              help="A datastore (default: build one from a synthetic speech-like corpus).")
+@click.option("--corpus", type=click.Path(exists=True, dir_okay=False),
+              help="JSONL the contexts are cut from (default: the synthetic corpus).")
+@click.option("--tokens", default=500_000, show_default=True, help="Size of the synthetic corpus.")
+@click.option("--clients", "concurrency", default="1,8,32", show_default=True)
+@click.option("--batch", "batches", default="1,8", show_default=True, help="Contexts per request.")
+@click.option("--modes", default=",".join(MODES), show_default=True)
+@click.option("--rounds", default=3, show_default=True)
+@click.option("--seconds", default=2.0, show_default=True, help="Measured seconds per cell and round.")
+@click.option("--profile/--no-profile", default=True, show_default=True, help="py-spy breakdown of the service.")
+@click.option("--out", type=click.Path(file_okay=False), default="bench/service", show_default=True)
+def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds, profile, out) -> None:
+    """Requests/s and p50/p99 propose latency, in-process vs over loopback HTTP."""
+    from ..datastore import build
+    from ..datastore.synthetic import speech_like_corpus, write_jsonl
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-service-"))
+    try:
+        if store_dir is None or corpus is None:
+            utterances = speech_like_corpus(tokens, vocab_size=4096, n_speakers=8, seed=0)
+            write_jsonl(utterances, tmp / "corpus.jsonl")
+            corpus = corpus or tmp / "corpus.jsonl"
+            if store_dir is None:
+                store_dir = tmp / "store"
+                build(tmp / "corpus.jsonl", store_dir, faiss=False, progress=False)
+        utterances = [json.loads(line) for line in open(corpus)]
+        port = free_port()
+        service = start_service(Path(store_dir), "bench", port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            report = run(url, str(store_dir), utterances, concurrency, batches, modes, rounds, seconds)
+            if profile and shutil.which("py-spy"):
+                report["profile"] = profile_under_load(service.pid, url, str(store_dir), utterances, seconds, out)
+        finally:
+            service.send_signal(signal.SIGTERM)
+            service.wait(30)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report["setup"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "threads_per_process": THREADS,
+                       "load_average_at_end": os.getloadavg(), "rounds": rounds, "seconds_per_cell": seconds}
+    (out / "service.json").write_text(json.dumps(report, indent=1))
+    print_report(report)
+
+
+def run(url, store_dir, utterances, concurrency, batches, modes, rounds, seconds) -> dict:
+    concurrency = [int(c) for c in concurrency.split(",")]
+    batches = [int(b) for b in batches.split(",")]
+    modes = [m for m in modes.split(",") if m]
+    cells = {}
+    for batch in batches:
+        for clients in concurrency:
+            requests = [make_requests(utterances, 200, batch, seed=1000 * batch + k) for k in range(clients)]
+            cell_modes = [m for m in modes if not (m == "httpx" and batch > 1)]
+            runs = {m: [] for m in cell_modes}
+            for r in range(rounds):
+                order = cell_modes[r % len(cell_modes):] + cell_modes[:r % len(cell_modes)]  # A B C D, B C D A, ..
+                for mode in order:
+                    runs[mode].append(run_cell(mode, clients, requests, url, "bench", store_dir, seconds))
+                    print(f"batch {batch} clients {clients:2d} {mode:7s} round {r}: "
+                          f"{runs[mode][-1]['requests_per_s']:8.0f} req/s  p50 {runs[mode][-1]['p50_ms']:.3f} ms  "
+                          f"p99 {runs[mode][-1]['p99_ms']:.3f} ms", file=sys.stderr)
+            for mode, results in runs.items():
+                cells[f"batch{batch}/clients{clients}/{mode}"] = summarize(results)
+    return {"cells": cells}
+
+
+def summarize(results: list[dict]) -> dict:
+    out = {}
+    for key in ("requests_per_s", "contexts_per_s", "p50_ms", "p99_ms"):
+        values = [r[key] for r in results]
+        out[key] = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
+    out["min_ms"] = min(r["min_ms"] for r in results)
+    out["max_ms"] = max(r["max_ms"] for r in results)
+    return out
+
+
+def profile_under_load(pid, url, store_dir, utterances, seconds, out) -> dict:
+    """8 clients, single binary proposals, while py-spy samples the service."""
+    requests = [make_requests(utterances, 200, 1, seed=77 + k) for k in range(8)]
+    ctx = mp.get_context("fork")
+    load = ctx.Process(target=run_cell, args=("binary", 8, requests, url, "bench", store_dir, seconds + 6))
+    load.start()
+    time.sleep(3)  # clients warmed up and sending
+    try:
+        return profile_service(pid, seconds + 1, out)
+    finally:
+        load.join()
+
+
+def print_report(report: dict) -> None:
+    print(f"{'cell':34s} {'req/s':>9s} {'ctx/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'p99 min..max':>14s}")
+    for name, cell in report["cells"].items():
+        print(f"{name:34s} {cell['requests_per_s']['median']:9.0f} {cell['contexts_per_s']['median']:9.0f} "
+              f"{cell['p50_ms']['median']:8.3f} {cell['p99_ms']['median']:8.3f} "
+              f"{cell['p99_ms']['min']:6.2f}..{cell['p99_ms']['max']:<6.2f}")
+    if "profile" in report:
+        print("\nwhere the service's time goes (py-spy, 8 clients, single binary proposals):")
+        for name, share in report["profile"]["share"].items():
+            print(f"  {share:6.1%}  {name}")
+    print(f"\nload average at the end: {report['setup']['load_average_at_end']}")
+
+
+if __name__ == "__main__":
+    main()
