@@ -15,6 +15,8 @@ over a memory-mapped datastore: a few microseconds a call, so no thread hop). An
 worker thread under the store's write lock: `datastore.enroll` writes and fsyncs the new store and
 commits the catalog, a fresh `Snapshot` is opened and warmed, and only then is it swapped in (one
 reference assignment) and the request acknowledged. Proposals keep using the old snapshot meanwhile.
+Writes made by other processes (`echospec enroll`, another service on the same directory) are picked up
+the same way within `reload_interval` seconds: the catalog's mtime and size are polled.
 
 The propose route bypasses FastAPI's routing and dependency machinery (it is the hot path: about
 40 us a request, a third of the service's own time); the rest of the API is an ordinary FastAPI app.
@@ -23,6 +25,7 @@ Body-size limits, write authentication and metrics wrap both, in `Service.__call
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
@@ -32,6 +35,7 @@ import re
 import tempfile
 import threading
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -47,6 +51,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..datastore import DatastoreError, enroll, open_datastore
+from ..datastore.catalog import CATALOG
 from . import Retriever
 from .tree import CandidateTree
 from .wire import BINARY, WireError, decode_contexts, encode_trees
@@ -97,9 +102,11 @@ class Snapshot:
     speakers: frozenset[str]
     speech_offset: int
     stop_ids: frozenset[int]
+    catalog_stamp: tuple[int, int]  # the catalog's (mtime_ns, size) just before it was read
 
     @classmethod
     def open(cls, path: Path, retriever_options: dict) -> "Snapshot":
+        stamp = catalog_stamp(path)  # taken first: a write racing with this open shows up as a change later
         ds = open_datastore(path)
         # Map every speaker store now: an enrollment deletes a replaced store's directory once its
         # catalog commit is done, and this snapshot may still answer for that speaker until the swap.
@@ -108,7 +115,12 @@ class Snapshot:
         retriever = Retriever(ds, **retriever_options)
         retriever.propose(np.zeros(1, np.int64))  # compile/load the kernels before the first request
         return cls(retriever, _jsonable(ds.info()), int(retriever.vocab_size), frozenset(ds.speakers),
-                   ds.speech_offset, frozenset(ds.stop_ids))
+                   ds.speech_offset, frozenset(ds.stop_ids), stamp)
+
+
+def catalog_stamp(path: Path) -> tuple[int, int]:
+    stat = (path / CATALOG).stat()
+    return stat.st_mtime_ns, stat.st_size
 
 
 class StoreHandle:
@@ -132,6 +144,15 @@ class StoreHandle:
                 raise ServiceError(422, "enroll_rejected", str(e).replace(str(corpus), "request")) from None
             self.snapshot = snapshot = Snapshot.open(self.path, self.retriever_options)
             return snapshot
+
+    def reload_if_changed(self) -> bool:
+        """Swap in a fresh snapshot when another process (`echospec enroll`, a second service) changed
+        the catalog. Returns whether it did."""
+        with self.write_lock:
+            if catalog_stamp(self.path) == self.snapshot.catalog_stamp:
+                return False
+            self.snapshot = Snapshot.open(self.path, self.retriever_options)
+            return True
 
 
 def parse_store_arg(arg: str) -> tuple[str, Path]:
@@ -238,14 +259,14 @@ class Service:
     """The ASGI application. `stores` maps names to datastore directories, opened here (and warmed)."""
 
     def __init__(self, stores: dict[str, str | Path], api_key: str | None = None, limits: Limits = Limits(),
-                 retriever_options: dict | None = None):
+                 retriever_options: dict | None = None, reload_interval: float | None = 1.0):
         for name in stores:
             if not valid_name(name):
                 raise ValueError(f"store name {name!r} must match {NAME.pattern}")
         paths = [Path(p).resolve() for p in stores.values()]
         if len(set(paths)) != len(paths):
             raise ValueError("the same datastore directory is served under two names")
-        self.limits = limits
+        self.limits, self.reload_interval = limits, reload_interval
         self.api_key = api_key.encode() if api_key else None
         self.metrics = Metrics()
         self.stores = {name: StoreHandle(name, path, dict(retriever_options or {}))
@@ -395,8 +416,27 @@ class Service:
 
     # -- everything else: FastAPI --
 
+    async def _watch_catalogs(self) -> None:
+        """Pick up writes made outside this service, every `reload_interval` seconds."""
+        while True:
+            await asyncio.sleep(self.reload_interval)
+            for name, handle in self.stores.items():
+                try:
+                    if await run_in_threadpool(handle.reload_if_changed):
+                        log.info("store %s changed on disk; now serving the new snapshot", name)
+                        self.metrics.set_store(name, handle.snapshot.info)
+                except (DatastoreError, OSError) as e:  # e.g. mid-rebuild: keep serving the old snapshot
+                    log.warning("store %s changed on disk but cannot be reopened yet: %s", name, e)
+
+    @asynccontextmanager
+    async def _lifespan(self, _app):
+        watcher = asyncio.create_task(self._watch_catalogs()) if self.reload_interval else None
+        yield
+        if watcher:
+            watcher.cancel()
+
     def _build_api(self) -> FastAPI:
-        api = FastAPI(title="echospec datastore service", version="1")
+        api = FastAPI(title="echospec datastore service", version="1", lifespan=self._lifespan)
         api.add_exception_handler(ServiceError, self._error_response)
         api.add_exception_handler(RequestValidationError, lambda request, e: self._error_response(
             request, _validation_error(e.errors())))
@@ -578,7 +618,8 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(stores: Sequence[str], host: str = "127.0.0.1", port: int = 8750, api_key_file: str | None = None,
-          limits: Limits = Limits(), retriever_options: dict | None = None, log_level: str = "warning") -> None:
+          limits: Limits = Limits(), retriever_options: dict | None = None, reload_interval: float | None = 1.0,
+          log_level: str = "warning") -> None:
     """Open `stores` (`PATH` or `NAME=PATH`) and serve them until interrupted."""
     import uvicorn
 
@@ -591,6 +632,6 @@ def serve(stores: Sequence[str], host: str = "127.0.0.1", port: int = 8750, api_
         log.warning("listening on %s: proposals and store listings are readable by anyone who can reach it", host)
     if api_key is None:
         log.warning("no API key (%s or --api-key-file): enrollment is disabled", API_KEY_ENV)
-    service = Service(named, api_key, limits, retriever_options)
+    service = Service(named, api_key, limits, retriever_options, reload_interval)
     uvicorn.run(service, host=host, port=port, log_level=log_level, access_log=False, server_header=False,
                 timeout_keep_alive=75, limit_concurrency=1024)

@@ -365,3 +365,20 @@ def test_remote_times_out_on_a_stalled_service(built, tmp_path):
         time.sleep(1.0)
         assert len(remote.propose([1, 2, 3])) >= 0
         remote.close()
+
+
+def test_writes_by_another_process_are_picked_up(server, store, corpus, tmp_path):
+    """`echospec enroll`-style writes straight to the directory show up within the reload interval."""
+    from echospec.datastore import enroll
+    from echospec.datastore.synthetic import write_jsonl
+
+    remote = RemoteRetriever(server.url, store="voices", timeout=5.0)
+    assert "zed" not in remote.speakers
+    utterances = [{"id": f"z{i}", "speaker": "zed", "tokens": u["tokens"]} for i, u in enumerate(corpus[:8])]
+    enroll(store, "zed", write_jsonl(utterances, tmp_path / "zed.jsonl"))
+    deadline = time.monotonic() + 10
+    while "zed" not in remote.speakers:
+        assert time.monotonic() < deadline, "the service did not notice the new speaker"
+        time.sleep(0.1)
+    context = np.array(corpus[2]["tokens"][:30])
+    assert remote.propose(context, speaker="zed").to_dict() == Retriever(store).propose(context, "zed").to_dict()

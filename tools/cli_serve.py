@@ -23,9 +23,12 @@ from .cli import main
               help="Default node budget of a proposal (a request may ask for another).")
 @click.option("--max-depth", default=8, show_default=True, type=click.IntRange(min=1),
               help="Default depth of a proposal (a request may ask for another).")
+@click.option("--reload-interval", default=1.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds between checks for writes made by other processes (0: never check).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def serve(stores, host, port, api_key_file, max_body_mb, max_batch, max_nodes, max_depth, log_level) -> None:
+def serve(stores, host, port, api_key_file, max_body_mb, max_batch, max_nodes, max_depth, reload_interval,
+          log_level) -> None:
     """Serve datastores over HTTP: propose, list stores and speakers, enroll, /healthz, /metrics.
 
     Each STORE is a datastore directory, served under its directory name, or NAME=DIR.
@@ -37,6 +40,7 @@ def serve(stores, host, port, api_key_file, max_body_mb, max_batch, max_nodes, m
     limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_batch=max_batch)
     try:
         run(stores, host=host, port=port, api_key_file=api_key_file, limits=limits,
-            retriever_options={"max_nodes": max_nodes, "max_depth": max_depth}, log_level=log_level)
+            retriever_options={"max_nodes": max_nodes, "max_depth": max_depth}, reload_interval=reload_interval or None,
+            log_level=log_level)
     except (DatastoreError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
