@@ -136,6 +136,7 @@ class SpeculativeSession:
         self.cached = 0  # tokens in the KV cache
         self.prompt_ids: list[int] = []
         self.generated: list[int] = []  # model ids emitted; the last one is pending (not yet in the cache)
+        self._history: list[int] = []  # prompt ids + generated: what samplers may look back at
         self.context: list[int] = []  # the retriever's context: store-local speech ids
         self.finished = False
         self._shadow: deque = deque()  # proposed trees waiting to be scored against the real continuation
@@ -176,6 +177,7 @@ class SpeculativeSession:
             _check_batch(input_ids.shape, 2, "input_ids")
             length, inputs = input_ids.shape[1], {"input_ids": input_ids}
             self.prompt_ids = input_ids[0].tolist()
+            self._history = list(self.prompt_ids)
         else:
             inputs_embeds = torch.as_tensor(inputs_embeds, device=device)
             inputs_embeds = inputs_embeds[None] if inputs_embeds.dim() == 2 else inputs_embeds
@@ -329,7 +331,7 @@ class SpeculativeSession:
     def _state_at(self, path_tokens: list[int]) -> NodeState:
         """The sampler's view at the position after the emitted tokens and `path_tokens`."""
         n_generated = len(self.generated) + len(path_tokens)
-        history = self.prompt_ids + self.generated + path_tokens
+        history = self._history + path_tokens if path_tokens else self._history  # read-only during the walk
         return NodeState(history, n_generated, self.speech.stop_ids, n_generated >= self.min_new_tokens)
 
     def _emit(self, tokens: list[int]) -> list[int]:
@@ -339,6 +341,7 @@ class SpeculativeSession:
                 self.finished = True
                 break
             self.generated.append(token)
+            self._history.append(token)
             emitted.append(token)
             if self.speech.is_speech(token):
                 self.context.append(token - self.speech.offset)
@@ -375,13 +378,19 @@ class SpeculativeSession:
         return CostCurve(list(sizes), seconds)
 
     def _score_shadow_trees(self) -> None:
-        """Score proposed trees against the tokens that actually followed, to calibrate the auto budget."""
+        """Score proposed trees against the tokens that actually followed, to calibrate the auto budget.
+
+        For the exact policies this is the length the tree would have had accepted, verified or not; a
+        tree is scored as soon as the output leaves it (usually the next step), or reaches its leaves.
+        """
         while self._shadow:
             start, tree, predicted = self._shadow[0]
-            if len(self.generated) < start + tree.max_depth and not self.finished:
+            continuation = self.generated[start:]
+            depth = _matched_depth(tree, continuation, self.speech.offset)
+            if depth == len(continuation) and depth < tree.max_depth and not self.finished:
                 return
             self._shadow.popleft()
-            self.budget.observe(predicted, _matched_depth(tree, self.generated[start:], self.speech.offset))
+            self.budget.observe(predicted, depth)
 
 
 _CURVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its measured CostCurve
