@@ -39,7 +39,10 @@ def sha256(path: Path) -> str:
 
 
 def create(root: Path, meta: dict) -> sqlite_utils.Database:
+    """A new catalog in a build's temporary directory. No per-commit syncs: the build fsyncs the
+    whole directory once before renaming it into place."""
     db = sqlite_utils.Database(root / CATALOG)
+    db.conn.execute("PRAGMA synchronous=OFF")
     db["meta"].create({"key": str, "value": str}, pk="key")
     db["stores"].create({"name": str, "kind": str, "directory": str, "speaker": str, "utterances": int,
                          "segments": int, "tokens": int, "bytes": int, "created_at": str, "params": str},

@@ -10,18 +10,21 @@ Files (in one directory):
   first.npy   int64[vocab + 1]: sa range of each last token, so the first step is a table look-up.
 That is 2 + 4 = 6 bytes per corpus token with a uint16 vocabulary (8 with uint32), plus 8 * vocab.
 
-The sort is bounded to `depth` (>= n_max) by prefix doubling: pack as many tokens as fit into one
-int64 key, then double the sorted depth with rank pairs. Ties beyond the depth keep stream order
-(every sort is stable), so the layout and every answer are deterministic.
+The sort is bounded to `depth` (= n_max): the reversed n-grams are packed into uint64 key words
+(read sequentially from the stream) and sorted by a numba LSD radix sort that carries the keys, so
+no pass reads at random (10M tokens at depth 8: ~1 s; argsort-based prefix doubling took ~6 s and a
+radix sort gathering tokens through the permutation ~3 s).
+Ties beyond the depth keep stream order (every pass is stable), so the layout and every answer are
+deterministic.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from numba import njit
 
 from .errors import DatastoreError
 
@@ -49,32 +52,64 @@ def concat_segments(segments: Sequence[np.ndarray], vocab_size: int) -> np.ndarr
 
 
 def suffix_array(stream: np.ndarray, vocab_size: int, depth: int) -> np.ndarray:
-    """Positions with a continuation, sorted by their reversed n-gram to at least `depth` tokens."""
+    """Positions with a continuation, sorted by their reversed n-gram to `depth` tokens."""
     sentinel = np.iinfo(stream.dtype).max
-    code = stream.astype(np.int64)
-    code[stream == sentinel] = vocab_size  # keeps order: the sentinel sorts after every token
-    bits = int(vocab_size).bit_length()
-    per_word = max(1, 62 // bits)
-    n = len(stream)
-    key = np.zeros(n, np.int64)
-    for j in range(per_word):  # key[i] = code[i], code[i-1], ... packed most significant first
-        shifted = np.full(n, vocab_size, np.int64)
-        shifted[j:] = code[: n - j] if j else code
-        key = (key << bits) | shifted
-    has_next = (stream[:-1] != sentinel) & (stream[1:] != sentinel)
-    positions = np.flatnonzero(has_next).astype(np.int64)
-    sorted_depth = per_word
-    while sorted_depth < depth:
-        _, rank = np.unique(key, return_inverse=True)
-        rank = rank.astype(np.int64).ravel()
-        n_ranks = int(rank.max()) + 1
-        behind = np.zeros(n, np.int64)  # rank of the n-gram ending sorted_depth tokens further left
-        behind[sorted_depth:] = rank[: n - sorted_depth]
-        behind[:sorted_depth] = rank[0]  # position 0 is a sentinel: anything left of it is too
-        key = rank * n_ranks + behind
-        sorted_depth *= 2
-    order = np.argsort(key[positions], kind="stable")
-    return positions[order].astype(np.int32)
+    positions = np.flatnonzero((stream[:-1] != sentinel) & (stream[1:] != sentinel)).astype(np.int32)
+    keys = _packed_keys(stream, positions, vocab_size, depth)
+    return _radix_sort(keys, positions)
+
+
+@njit(cache=True)
+def _packed_keys(stream, positions, vocab_size, depth):
+    """uint64[words, n]: the tokens 0..depth-1 places left of each position, packed most significant
+    first; the sentinel (and anything left of the stream) is `vocab_size`, after every token.
+    Positions ascend, so building the keys reads the stream sequentially."""
+    bits = 0
+    while (1 << bits) <= vocab_size:
+        bits += 1
+    per_word = 64 // bits
+    words = (depth + per_word - 1) // per_word
+    n = positions.shape[0]
+    sentinel = np.iinfo(stream.dtype).max
+    keys = np.zeros((words, n), np.uint64)
+    for i in range(n):
+        p = positions[i]
+        for d in range(depth):
+            code = vocab_size if p - d < 0 or stream[p - d] == sentinel else stream[p - d]
+            keys[d // per_word, i] |= np.uint64(code) << np.uint64(bits * (per_word - 1 - d % per_word))
+    return keys
+
+
+@njit(cache=True)
+def _radix_sort(keys, positions):
+    """Stable LSD radix sort of `positions` by the key words (word 0 most significant), 11 bits a
+    pass, carrying the keys along so no pass reads memory at random. Passes whose digit is the same
+    for every element are skipped."""
+    words, n = keys.shape
+    keys = keys.copy()
+    order = positions.copy()
+    spare_keys = np.empty_like(keys)
+    spare_order = np.empty_like(order)
+    counts = np.empty(2049, np.int64)
+    for word in range(words - 1, -1, -1):
+        for shift in range(0, 64, 11):
+            counts[:] = 0
+            for i in range(n):
+                counts[((keys[word, i] >> shift) & 2047) + 1] += 1
+            if counts.max() == n:
+                continue
+            for c in range(2048):
+                counts[c + 1] += counts[c]
+            for i in range(n):
+                digit = (keys[word, i] >> shift) & 2047
+                at = counts[digit]
+                counts[digit] = at + 1
+                spare_order[at] = order[i]
+                for w in range(words):
+                    spare_keys[w, at] = keys[w, i]
+            keys, spare_keys = spare_keys, keys
+            order, spare_order = spare_order, order
+    return order
 
 
 def first_index(stream: np.ndarray, sa: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -82,7 +117,7 @@ def first_index(stream: np.ndarray, sa: np.ndarray, vocab_size: int) -> np.ndarr
 
 
 def write_exact_store(directory: Path, segments: Sequence[np.ndarray], vocab_size: int, depth: int) -> dict:
-    """Build the three files into `directory` (fsynced); returns token and utterance-segment counts."""
+    """Build the three files into `directory` (the caller fsyncs); returns token and segment counts."""
     stream = concat_segments(segments, vocab_size)
     sa = suffix_array(stream, vocab_size, depth)
     first = first_index(stream, sa, vocab_size)
@@ -95,8 +130,6 @@ def write_exact_store(directory: Path, segments: Sequence[np.ndarray], vocab_siz
 def save_npy(path: Path, arr: np.ndarray) -> None:
     with open(path, "wb") as f:
         np.save(f, arr, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class ExactStore:

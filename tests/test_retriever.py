@@ -6,20 +6,23 @@ import numpy as np
 import pytest
 
 from echospec.datastore import build, open_datastore
-from echospec.datastore.synthetic import speech_like_corpus, write_jsonl
+from echospec.tools.synth_corpus import SynthConfig, generate
 from echospec.retriever import SOURCES, CandidateTree, Retriever
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return speech_like_corpus(20_000, vocab_size=512, n_speakers=3, seed=3)
+def corpus():
+    synth = generate(SynthConfig(n_tokens=20_000, vocab=512, n_phones=32, n_speakers=3, seed=3))
+    return [{"id": synth.utterance_id(i), "speaker": synth.speaker_name(i), "tokens": synth.utterance(i).tolist()}
+            for i in range(len(synth))]
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, corpus):
     root = tmp_path_factory.mktemp("retriever")
-    write_jsonl(corpus, root / "corpus.jsonl")
-    build(root / "corpus.jsonl", root / "store", faiss=False, progress=False)
+    with open(root / "corpus.jsonl", "w") as f:
+        f.writelines(json.dumps(u) + "\n" for u in corpus)
+    build(root / "corpus.jsonl", root / "store", faiss=False, progress=False, vocab_size=512)
     return root / "store"
 
 
@@ -56,4 +59,4 @@ def test_bad_context_and_speaker(store):
     with pytest.raises(ValueError, match="unknown speaker"):
         r.propose([1, 2, 3], speaker="nobody")
     assert len(r.propose([])) == 0
-    assert r.vocab_size == 512 and r.speakers == ("spk00", "spk01", "spk02")
+    assert r.vocab_size == 512 and r.speakers == ("spk000", "spk001", "spk002")
