@@ -71,7 +71,7 @@ def policy_from_generation_config(config) -> Policy:
         return ExactGreedy()
     return ExactSampling(Sampler(temperature=config.temperature or 1.0, top_k=config.top_k or 0,
                                  top_p=config.top_p if config.top_p is not None else 1.0, min_p=config.min_p or 0.0,
-                                 repetition_penalty=config.repetition_penalty or 1.0), seed=torch.seed())
+                                 repetition_penalty=config.repetition_penalty or 1.0))
 
 
 def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,

@@ -36,10 +36,11 @@ class NodeState:
 
 
 def make_generator(seed: int | torch.Generator | None) -> torch.Generator:
+    """A generator from a seed; None draws the seed from torch's global RNG (so torch.manual_seed governs it)."""
     if isinstance(seed, torch.Generator):
         return seed
     generator = torch.Generator()
-    generator.manual_seed(0 if seed is None else int(seed))
+    generator.manual_seed(int(torch.randint(0, 2**62, (1,))) if seed is None else int(seed))
     return generator
 
 

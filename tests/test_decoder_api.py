@@ -1,5 +1,6 @@
 """The Hugging Face hooks, bad input, failing retrievers, the cost-aware budget and the real Retriever."""
 
+import json
 import warnings
 
 import numpy as np
@@ -155,13 +156,12 @@ def test_auto_budget_end_to_end(model):
 
 def test_with_the_real_retriever(model, tmp_path):
     from echospec.datastore import build
-    from echospec.datastore.synthetic import write_jsonl
     from echospec.retriever import Retriever
 
     prompts = [prompt(6, seed) for seed in range(12)]
     corpus = [{"id": f"u{i}", "speaker": "spk", "tokens": ids[0].tolist() + greedy(model, ids, 40)}
               for i, ids in enumerate(prompts)]
-    write_jsonl(corpus, tmp_path / "corpus.jsonl")
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(u) + "\n" for u in corpus))
     build(tmp_path / "corpus.jsonl", tmp_path / "store", faiss=False, progress=False, vocab_size=VOCAB)
     retriever = Retriever(tmp_path / "store")
     with warnings.catch_warnings():

@@ -70,7 +70,7 @@ def small_llama(vocab: int, hidden: int, layers: int, seed: int):
 
 
 def make_systems(model, speech: SpeechVocab, max_new: int, seed: int) -> dict:
-    """name -> run(prompt_ids) returning (tokens, target forwards, seconds)."""
+    """name -> run(prompt_ids) returning (tokens, target forwards, seconds, mean tree nodes verified per step)."""
     forwards = [0]
     model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     vocab = speech.size
@@ -82,14 +82,16 @@ def make_systems(model, speech: SpeechVocab, max_new: int, seed: int) -> dict:
             start = time.perf_counter()
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
                                  min_new_tokens=max_new, pad_token_id=0, **extra)
-            return out[0, ids.shape[1]:].tolist(), forwards[0], time.perf_counter() - start
+            return out[0, ids.shape[1]:].tolist(), forwards[0], time.perf_counter() - start, 0
         return run
 
     def ours(policy_factory, retriever, max_nodes=16):
         def run(ids):
             result = generate(model, retriever, input_ids=ids, policy=policy_factory(), speech=speech,
                               max_new_tokens=max_new, min_new_tokens=max_new, max_nodes=max_nodes, max_depth=8)
-            return result.tokens, result.stats.target_forwards, result.stats.wall_seconds
+            stats = result.stats
+            nodes = sum(stats.node_budgets) / max(len(stats.node_budgets), 1)
+            return result.tokens, stats.target_forwards, stats.wall_seconds, nodes
         return run
 
     lookup = PromptLookupTree()
@@ -101,10 +103,10 @@ def make_systems(model, speech: SpeechVocab, max_new: int, seed: int) -> dict:
         "exact-greedy": ours(ExactGreedy, lookup),
         "exact-greedy-auto": ours(ExactGreedy, lookup, "auto"),
         "echospec-ar-ras": ours(lambda: ExactSampling(RAS(), seed=seed), None),
-        "exact-sampling-ras": ours(lambda: ExactSampling(RAS(), seed=seed), lookup),
-        f"filtered-tau{tau}": ours(lambda: Filtered(tau, RAS(), seed=seed), lookup),
-        "tolerance-0.2": ours(lambda: Tolerance(0.2, RAS(), seed=seed), lookup),
-        "similarity-0.3": ours(lambda: SimilarityGroups(0.3, RAS(), seed=seed), lookup),
+        "exact-sampling-ras-auto": ours(lambda: ExactSampling(RAS(), seed=seed), lookup, "auto"),
+        f"filtered-tau{tau}-auto": ours(lambda: Filtered(tau, RAS(), seed=seed), lookup, "auto"),
+        "tolerance-0.2-auto": ours(lambda: Tolerance(0.2, RAS(), seed=seed), lookup, "auto"),
+        "similarity-0.3-auto": ours(lambda: SimilarityGroups(0.3, RAS(), seed=seed), lookup, "auto"),
         "never-accepted-auto": ours(ExactGreedy, RandomPaths(vocab, seed), "auto"),
         "never-accepted-16": ours(ExactGreedy, RandomPaths(vocab, seed), 16),
     }
@@ -159,11 +161,13 @@ def run_bench(args) -> dict:
                 names = list(systems)
                 shift = (round_ * len(prompts) + i) % len(names)
                 for name in names[shift:] + names[:shift]:
-                    tokens, forwards, seconds = systems[name](ids)
-                    runs[name].append({"prompt": i, "tokens": tokens, "forwards": forwards, "seconds": seconds})
+                    tokens, forwards, seconds, nodes = systems[name](ids)
+                    runs[name].append({"prompt": i, "tokens": tokens, "forwards": forwards, "seconds": seconds,
+                                       "nodes": nodes})
         curve = measure_curve(model, speech, prompts[0])
     reference = {r["prompt"]: r["tokens"] for r in runs["hf-greedy"]}
-    base = statistics.median(r["seconds"] / len(r["tokens"]) for r in runs["hf-greedy"])
+    base_runs = [r["seconds"] / len(r["tokens"]) for r in runs["hf-greedy"]]
+    base = statistics.median(base_runs)
     report = {"command": args.command, "threads": args.threads, "model": type(model).__name__,
               "parameters": sum(p.numel() for p in model.parameters()), "vocab": vocab, "prompts": args.prompts,
               "rounds": args.rounds, "max_new_tokens": args.max_new_tokens, "cost_curve": curve, "systems": {}}
@@ -173,7 +177,10 @@ def run_bench(args) -> dict:
             "median_ms_per_token": 1e3 * statistics.median(per_token),
             "ratio_to_hf_greedy": statistics.median(per_token) / base,
             "ratio_min": min(per_token) / base, "ratio_max": max(per_token) / base,
+            # each run against the HF greedy run of the same prompt and round: robust to a busy machine
+            "paired_ratio_median": statistics.median(p / b for p, b in zip(per_token, base_runs)),
             "tokens_per_forward": sum(len(r["tokens"]) for r in rs) / sum(r["forwards"] for r in rs),
+            "mean_nodes_per_step": statistics.mean(r["nodes"] for r in rs),
             "identical_to_hf_greedy": all(r["tokens"] == reference[r["prompt"]] for r in rs),
         }
     return report
@@ -205,10 +212,13 @@ def main(argv=None) -> None:
           f"{args.prompts} prompts x {args.rounds} rounds, {args.max_new_tokens} new tokens")
     print("verify-cost curve (nodes: time / one-token time): " + ", ".join(
         f"{n}: {r:.2f}" for n, r in zip(report["cost_curve"]["sizes"], report["cost_curve"]["relative"])))
-    print(f"{'system':24s} {'ms/token':>9s} {'ratio':>7s} {'min':>6s} {'max':>6s} {'tok/fwd':>8s}  identical")
+    print(f"{'system':26s} {'ms/token':>9s} {'ratio':>7s} {'min':>6s} {'max':>6s} {'paired':>7s} {'tok/fwd':>8s} "
+          f"{'nodes':>6s}  identical")
     for name, s in report["systems"].items():
-        print(f"{name:24s} {s['median_ms_per_token']:9.3f} {s['ratio_to_hf_greedy']:7.3f} {s['ratio_min']:6.3f} "
-              f"{s['ratio_max']:6.3f} {s['tokens_per_forward']:8.2f}  {s['identical_to_hf_greedy']}")
+        print(f"{name:26s} {s['median_ms_per_token']:9.3f} {s['ratio_to_hf_greedy']:7.3f} {s['ratio_min']:6.3f} "
+              f"{s['ratio_max']:6.3f} {s['paired_ratio_median']:7.3f} {s['tokens_per_forward']:8.2f} "
+              f"{s['mean_nodes_per_step']:6.1f}  "
+              f"{s['identical_to_hf_greedy']}")
     print(f"wrote {out / 'bench_decoder.json'} and {out / 'bench_decoder.png'}")
 
 
