@@ -24,6 +24,7 @@ from .errors import DatastoreError
 
 FORMAT_VERSION = 1
 CATALOG = "catalog.sqlite"
+PARTIAL = "catalog.sqlite.partial"  # a build's catalog until every store is written
 
 
 def now() -> str:
@@ -39,9 +40,10 @@ def sha256(path: Path) -> str:
 
 
 def create(root: Path, meta: dict) -> sqlite_utils.Database:
-    """A new catalog in a build's temporary directory. No per-commit syncs: the build fsyncs the
-    whole directory once before renaming it into place."""
-    db = sqlite_utils.Database(root / CATALOG)
+    """A new catalog in a build's temporary directory, named PARTIAL until `finish`: a directory
+    left by an interrupted build has no catalog and so is no datastore. No per-commit syncs: the
+    build syncs the whole directory once before renaming it into place."""
+    db = sqlite_utils.Database(root / PARTIAL)
     db.conn.execute("PRAGMA synchronous=OFF")
     db["meta"].create({"key": str, "value": str}, pk="key")
     db["stores"].create({"name": str, "kind": str, "directory": str, "speaker": str, "utterances": int,
@@ -54,6 +56,11 @@ def create(root: Path, meta: dict) -> sqlite_utils.Database:
     db["files"].create({"path": str, "store": str, "bytes": int, "sha256": str}, pk="path")
     set_meta(db, {"format_version": FORMAT_VERSION, "created_at": now(), "updated_at": now(), **meta})
     return db
+
+
+def finish(db: sqlite_utils.Database, root: Path) -> None:
+    db.conn.close()
+    (root / PARTIAL).rename(root / CATALOG)
 
 
 def set_meta(db: sqlite_utils.Database, values: dict) -> None:

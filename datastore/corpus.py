@@ -91,14 +91,17 @@ def _parse_line(line: bytes, where: str) -> tuple[dict, np.ndarray | None]:
             try:
                 body = line[open_at + 1:close_at]
                 with warnings.catch_warnings():
-                    warnings.simplefilter("error", DeprecationWarning)  # fromstring: stray characters
+                    warnings.simplefilter("error", DeprecationWarning)  # older numpy warns on stray text
                     tokens = np.fromstring(body, dtype=np.int64, sep=",") if body.strip() else np.zeros(0, np.int64)
                 row = json.loads(line[:open_at] + b"[]" + line[close_at + 1:])
             except (ValueError, DeprecationWarning, UnicodeDecodeError):
                 pass
             else:
-                saturated = tokens.size and tokens.max() >= np.iinfo(np.int64).max  # fromstring clips
-                if isinstance(row, dict) and row.pop("tokens", None) == [] and not saturated:
+                # fromstring clips huge ids, reads a lone "-" as 0 and forgives a trailing comma:
+                # leave those lines to json and the checks
+                exact = (b"-" not in body and len(tokens) == body.count(b",") + bool(body.strip())
+                         and not (tokens.size and tokens.max() >= np.iinfo(np.int64).max))
+                if exact and isinstance(row, dict) and row.pop("tokens", None) == []:
                     return row, tokens
     try:
         row = json.loads(line)
@@ -155,20 +158,22 @@ def to_local_ids(raw, where: str, vocab: Vocabulary) -> np.ndarray:
     """Check raw ids and map them to local ids; stop ids become -1 (a segment boundary)."""
     if isinstance(raw, np.ndarray):
         arr = raw
-    else:
+    else:  # a JSON list the fast path did not take: check every item (bool is not a token id)
         if not isinstance(raw, list):
             raise CorpusError(f"{where}: 'tokens' must be a list of integers")
+        bad = next((t for t in raw if type(t) is not int), None)
+        if bad is not None:
+            if isinstance(bad, list):
+                raise CorpusError(f"{where}: tokens must be a 1-D list of integers, found a nested list")
+            raise CorpusError(f"{where}: token {bad!r} is not an integer")
         try:
-            arr = np.array(raw)
-        except (OverflowError, ValueError):
-            arr = np.array(raw, dtype=object)
+            arr = np.array(raw, dtype=np.int64)
+        except OverflowError:
+            raise CorpusError(f"{where}: token id too large for a 64-bit integer") from None
     if arr.ndim != 1:
         raise CorpusError(f"{where}: tokens must be a 1-D sequence, got shape {arr.shape}")
     if arr.dtype.kind not in "iu" and arr.size:
-        bad = next((t for t in arr.tolist() if type(t) is not int), None)
-        if bad is None:
-            raise CorpusError(f"{where}: token id too large for a 64-bit integer")
-        raise CorpusError(f"{where}: token {bad!r} is not an integer")
+        raise CorpusError(f"{where}: tokens must be integers, got {arr.dtype} values")
     arr = arr.astype(np.int64, copy=False)
     if arr.size and arr.min() < 0:
         raise CorpusError(f"{where}: negative token id {int(arr.min())}")

@@ -77,7 +77,8 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
         vocab = Vocabulary(vocab.speech_offset, max(int(s.max()) for segs in segments for s in segs) + 1,
                            vocab.stop_ids)
     speakers = _group_by_speaker(utterances, segments) if per_speaker else {}
-    tmp = target.parent / f".{target.name}.building-{uuid.uuid4().hex[:8]}"
+    _remove_abandoned_builds(target)
+    tmp = target.parent / f".{target.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
         steps = tqdm(total=1 + len(speakers) + bool(faiss), desc="building", unit=" store",
@@ -104,7 +105,7 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
             steps.update()
         _insert_utterances(db, utterances)
         catalog.set_meta(db, {"build_seconds": round(time.perf_counter() - started, 3)})
-        db.conn.close()
+        catalog.finish(db, tmp)
         _fsync_tree(tmp)
         steps.close()
         _replace_dir(tmp, target)
@@ -125,6 +126,7 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False, progress: boo
         raise DatastoreError("speaker name must not be empty")
     with _locked(root):
         ds = open_datastore(root)
+        _remove_abandoned_enrollments(ds)
         vocab = Vocabulary(ds.speech_offset, ds.vocab_size, ds.stop_ids)
         new = list(read_corpus(corpus, vocab))
         segments = [s for u in new for s in split_segments(u.tokens)]
@@ -287,6 +289,35 @@ def _check_target(target: Path, force: bool) -> None:
     is_store = (target / catalog.CATALOG).is_file()
     if not target.is_dir() or not (is_store or not any(target.iterdir())):
         raise DatastoreError(f"{target}: exists and is not a datastore; refusing to replace it")
+
+
+def _remove_abandoned_enrollments(ds: "Datastore") -> None:
+    """Under the writer lock: temporary or unreferenced speaker directories are leftovers of an
+    enrollment killed before its catalog transaction; no reader can be using them."""
+    for tmp in ds.root.glob(".enroll-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    referenced = {path.resolve() for path in ds._speaker_dirs.values()}
+    for directory in (ds.root / "speakers").glob("*"):
+        if directory.resolve() not in referenced:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _remove_abandoned_builds(target: Path) -> None:
+    """Delete temporary directories of earlier builds of `target` whose process is gone (killed)."""
+    for tmp in target.parent.glob(f".{target.name}.building-*"):
+        pid = tmp.name.rsplit("-", 2)[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _counted(items, bar):

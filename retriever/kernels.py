@@ -1,7 +1,9 @@
 """Numba kernels of the proposer: suffix-array matching, continuation gathering and the trie.
 
 Everything a `propose` call does per token lives here, compiled (`cache=True`, `nogil=True` so
-threads can propose in parallel); the Python side only picks stores and wraps the result.
+threads can propose in parallel); the Python side only picks stores and wraps the result. The
+kernels that call each other stay in this one file: numba's on-disk cache is invalidated per source
+file, so a caller cached in another file would keep running a stale copy of a changed callee.
 Continuations are gathered as rows of a [rows, max_depth] int64 table padded with -1, each row with
 a source, a count weight (estimated support) and a probability weight.
 """
@@ -253,3 +255,54 @@ def build_tree(conts, n_rows, wcount, wprob, src, max_nodes):
                 best_src = s
         out_src[i] = best_src
     return out_tok, out_par, out_dep, out_cnt, out_prb, out_src
+
+
+@njit(cache=True, nogil=True)
+def gather_exact(ctx, g_tokens, g_sa, g_first, s_tokens, s_sa, s_first, use_speaker, use_prompt,
+                  n_min, n_max, prompt_n_min, min_support, cap, window, max_depth, extra_rows):
+    """Rows of prompt, speaker and general continuations; stats[s] = (first row, rows, match, occurrences)."""
+    conts = np.empty((3 * cap + extra_rows, max_depth), np.int64)
+    stats = np.zeros((4, 4), np.int64)
+    row = 0
+    if use_prompt:
+        m, k = gather_prompt(ctx, prompt_n_min, n_max, cap, window, conts, row)
+        stats[0, 0] = row
+        stats[0, 1] = m
+        stats[0, 2] = k
+        stats[0, 3] = m
+        row += m
+    if use_speaker:
+        m, k, occ = gather_store(s_tokens, s_sa, s_first, ctx, n_min, n_max, min_support, cap, conts, row)
+        stats[1, 0] = row
+        stats[1, 1] = m
+        stats[1, 2] = k
+        stats[1, 3] = occ
+        row += m
+    m, k, occ = gather_store(g_tokens, g_sa, g_first, ctx, n_min, n_max, min_support, cap, conts, row)
+    stats[2, 0] = row
+    stats[2, 1] = m
+    stats[2, 2] = k
+    stats[2, 3] = occ
+    stats[3, 0] = row + m
+    return conts, stats
+
+
+@njit(cache=True, nogil=True)
+def finish(conts, stats, weights, max_nodes):
+    """Weigh the rows and build the tree. Rows are pooled: each counts its source's weight times
+    the source's match length, so a node's probability is the trusted share of all gathered
+    continuations that pass through it."""
+    n_rows = stats[3, 0] + stats[3, 1]
+    wcount = np.zeros(n_rows, np.float64)
+    wprob = np.zeros(n_rows, np.float64)
+    src = np.zeros(n_rows, np.int64)
+    total = 0.0
+    for s in range(4):
+        total += weights[s] * stats[s, 2] * stats[s, 1]
+    for s in range(4):
+        m = stats[s, 1]
+        for r in range(stats[s, 0], stats[s, 0] + m):
+            wcount[r] = weights[s] * stats[s, 3] / m
+            wprob[r] = weights[s] * stats[s, 2] / total
+            src[r] = s
+    return build_tree(conts, n_rows, wcount, wprob, src, max_nodes)

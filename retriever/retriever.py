@@ -33,7 +33,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from numba import njit
 
 from ..datastore import Datastore, open_datastore
 from . import kernels
@@ -42,57 +41,6 @@ from .tree import CandidateTree
 DEFAULT_WEIGHTS = (1.0, 1.0, 1.0, 0.5)
 """Source weights (prompt, speaker, general, faiss) per gathered continuation, times match length.
 FAISS neighbours only approximately share the context, so they count half."""
-
-
-@njit(cache=True, nogil=True)
-def _gather_exact(ctx, g_tokens, g_sa, g_first, s_tokens, s_sa, s_first, use_speaker, use_prompt,
-                  n_min, n_max, prompt_n_min, min_support, cap, window, max_depth, extra_rows):
-    """Rows of prompt, speaker and general continuations; stats[s] = (first row, rows, match, occurrences)."""
-    conts = np.empty((3 * cap + extra_rows, max_depth), np.int64)
-    stats = np.zeros((4, 4), np.int64)
-    row = 0
-    if use_prompt:
-        m, k = kernels.gather_prompt(ctx, prompt_n_min, n_max, cap, window, conts, row)
-        stats[0, 0] = row
-        stats[0, 1] = m
-        stats[0, 2] = k
-        stats[0, 3] = m
-        row += m
-    if use_speaker:
-        m, k, occ = kernels.gather_store(s_tokens, s_sa, s_first, ctx, n_min, n_max, min_support, cap, conts, row)
-        stats[1, 0] = row
-        stats[1, 1] = m
-        stats[1, 2] = k
-        stats[1, 3] = occ
-        row += m
-    m, k, occ = kernels.gather_store(g_tokens, g_sa, g_first, ctx, n_min, n_max, min_support, cap, conts, row)
-    stats[2, 0] = row
-    stats[2, 1] = m
-    stats[2, 2] = k
-    stats[2, 3] = occ
-    stats[3, 0] = row + m
-    return conts, stats
-
-
-@njit(cache=True, nogil=True)
-def _finish(conts, stats, weights, max_nodes):
-    """Weigh the rows and build the tree. Rows are pooled: each counts its source's weight times
-    the source's match length, so a node's probability is the trusted share of all gathered
-    continuations that pass through it."""
-    n_rows = stats[3, 0] + stats[3, 1]
-    wcount = np.zeros(n_rows, np.float64)
-    wprob = np.zeros(n_rows, np.float64)
-    src = np.zeros(n_rows, np.int64)
-    total = 0.0
-    for s in range(4):
-        total += weights[s] * stats[s, 2] * stats[s, 1]
-    for s in range(4):
-        m = stats[s, 1]
-        for r in range(stats[s, 0], stats[s, 0] + m):
-            wcount[r] = weights[s] * stats[s, 3] / m
-            wprob[r] = weights[s] * stats[s, 2] / total
-            src[r] = s
-    return kernels.build_tree(conts, n_rows, wcount, wprob, src, max_nodes)
 
 
 class Retriever:
@@ -159,11 +107,11 @@ class Retriever:
                 raise ValueError(f"unknown speaker {speaker!r}")
             s = (store.tokens, store.sa, store.first)
         faiss = self.faiss
-        conts, stats = _gather_exact(ctx, *g, *s, speaker is not None, self.prompt_lookup, self.n_min,
+        conts, stats = kernels.gather_exact(ctx, *g, *s, speaker is not None, self.prompt_lookup, self.n_min,
                                      self.n_max, self.prompt_n_min, self.min_support, self.cap,
                                      self.prompt_window, max_depth, 0 if faiss is None else self.faiss_k)
         if faiss is not None and max(stats[1, 2], stats[2, 2]) < self.faiss_below:
             positions = faiss.search(ctx, self.faiss_k)
             m = kernels.gather_positions(g[0], positions, self.vocab_size, conts, stats[3, 0])
             stats[3, 1:] = (m, 1, m)
-        return CandidateTree(*_finish(conts, stats, self.weights, max_nodes))
+        return CandidateTree(*kernels.finish(conts, stats, self.weights, max_nodes))

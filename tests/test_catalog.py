@@ -1,0 +1,126 @@
+"""Catalog: what it records, file checks (size always, sha256 on demand), format version, and
+builds that are interrupted or aimed at an existing target."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from echospec.datastore import FORMAT_VERSION, DatastoreError, build, open_datastore
+
+
+def make_corpus(path, n_utts=40, seed=0, vocab=64):
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(n_utts):
+            f.write(json.dumps({"id": f"u{i}", "speaker": f"s{i % 3}", "tokens": rng.integers(0, vocab, 30).tolist(),
+                                "text": f"sentence {i}"}) + "\n")
+    return path
+
+
+@pytest.fixture
+def store(tmp_path):
+    build(make_corpus(tmp_path / "c.jsonl"), tmp_path / "store", faiss=False, progress=False)
+    return tmp_path / "store"
+
+
+def test_catalog_records_everything(store):
+    info = open_datastore(store).info()
+    assert info["format_version"] == FORMAT_VERSION
+    assert info["utterances"] == 40 and info["tokens"] == 1200
+    assert info["vocabulary"] == {"speech_offset": 0, "size": 64, "stop_ids": [], "dtype": "uint16"}
+    assert (info["n_min"], info["n_max"]) == (1, 8)
+    assert set(info["speakers"]) == {"s0", "s1", "s2"} and info["speakers"]["s0"]["utterances"] == 14
+    assert [s["name"] for s in info["stores"]] == ["general", "speaker:s0", "speaker:s1", "speaker:s2"]
+    assert info["build"]["per_speaker"] is True and info["build_seconds"] >= 0
+    assert info["exact_bytes"] == sum(f.stat().st_size for f in store.rglob("*.npy"))
+    db = sqlite3.connect(store / "catalog.sqlite")
+    files = db.execute("select path, bytes, sha256 from files").fetchall()
+    assert len(files) == 12 and all(len(sha) == 64 for _, _, sha in files)
+    assert db.execute("select count(*) from utterances").fetchone() == (40,)
+
+
+def test_truncated_file_is_refused(store):
+    sa = store / "general" / "sa.npy"
+    os.truncate(sa, sa.stat().st_size - 4)
+    with pytest.raises(DatastoreError, match=r"sa.npy: \d+ bytes, the catalog says \d+ \(truncated"):
+        open_datastore(store)
+
+
+def test_checksum_failure_is_found_on_verify(store):
+    tokens = store / "general" / "tokens.npy"
+    data = bytearray(tokens.read_bytes())
+    data[-1] ^= 0xFF  # same size, different content
+    tokens.write_bytes(bytes(data))
+    open_datastore(store)  # sizes match: opening stays cheap
+    with pytest.raises(DatastoreError, match="tokens.npy: checksum mismatch"):
+        open_datastore(store, verify=True)
+    with pytest.raises(DatastoreError, match="checksum mismatch"):
+        open_datastore(store).verify()
+
+
+def test_unknown_format_version_is_refused(store):
+    db = sqlite3.connect(store / "catalog.sqlite")
+    db.execute("update meta set value = '99' where key = 'format_version'")
+    db.commit()
+    db.close()
+    with pytest.raises(DatastoreError, match="unknown datastore format version 99"):
+        open_datastore(store)
+
+
+def test_not_a_datastore(tmp_path):
+    with pytest.raises(DatastoreError, match="no such datastore"):
+        open_datastore(tmp_path / "absent")
+    with pytest.raises(DatastoreError, match="not a datastore"):
+        open_datastore(tmp_path)
+    (tmp_path / "catalog.sqlite").write_text("garbage" * 100)
+    with pytest.raises(DatastoreError, match="unreadable catalog"):
+        open_datastore(tmp_path)
+
+
+def test_existing_target_needs_force(tmp_path, store):
+    corpus = make_corpus(tmp_path / "d.jsonl", seed=1)
+    with pytest.raises(DatastoreError, match="already exists"):
+        build(corpus, store, faiss=False, progress=False)
+    assert open_datastore(store).info()["tokens"] == 1200  # untouched
+    build(corpus, store, faiss=False, progress=False, force=True, per_speaker=False)
+    assert open_datastore(store).speakers == ()
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "thesis.txt").write_text("do not delete")
+    with pytest.raises(DatastoreError, match="not a datastore; refusing"):
+        build(corpus, tmp_path / "precious", faiss=False, progress=False, force=True)
+    assert (tmp_path / "precious" / "thesis.txt").exists()
+
+
+def test_bad_build_options(tmp_path):
+    corpus = make_corpus(tmp_path / "c.jsonl")
+    for kwargs, message in [({"n_min": 0}, "n_min"), ({"n_min": 5, "n_max": 4}, "n_min"),
+                            ({"vocab_size": 0}, "vocab_size"), ({"speech_offset": -1}, "speech_offset"),
+                            ({"embeddings": tmp_path / "none.npy"}, "embedding file not found")]:
+        with pytest.raises(DatastoreError, match=message):
+            build(corpus, tmp_path / "s", progress=False, **kwargs)
+    assert not (tmp_path / "s").exists()
+
+
+def test_killed_build_leaves_nothing_that_looks_valid(tmp_path):
+    corpus = make_corpus(tmp_path / "c.jsonl", n_utts=3000, vocab=4000)
+    code = (f"from echospec.datastore import build; "
+            f"build({str(corpus)!r}, {str(tmp_path / 'store')!r}, progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".store.building-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "store").exists()
+    (leftover,) = tmp_path.glob(".store.building-*")
+    with pytest.raises(DatastoreError, match="not a datastore"):
+        open_datastore(leftover)
+    build(corpus, tmp_path / "store", faiss=False, progress=False)  # the next build clears the leftover
+    assert not list(tmp_path.glob(".store.building-*"))

@@ -1,0 +1,106 @@
+"""Corpus input: JSONL, JSONL manifest of .npy, .npz; id ranges, offsets, stop ids; bad input."""
+
+import json
+
+import numpy as np
+import pytest
+
+from echospec.datastore import CorpusError, Vocabulary, build, open_datastore, read_corpus
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_with_extra_fields_kept_in_catalog(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", [
+        {"id": "a", "speaker": "ann", "tokens": [1, 2, 3], "text": "hello", "lang": "en"},
+        {"id": "b", "speaker": "bob", "tokens": [3, 2, 1]},
+    ])
+    utts = list(read_corpus(corpus, Vocabulary()))
+    assert [u.id for u in utts] == ["a", "b"] and utts[0].extra == {"text": "hello", "lang": "en"}
+    assert utts[0].tokens.tolist() == [1, 2, 3] and utts[0].where == f"{corpus}:1"
+    build(corpus, tmp_path / "store", faiss=False, progress=False)
+    import sqlite_utils
+    rows = list(sqlite_utils.Database(tmp_path / "store" / "catalog.sqlite")["utterances"].rows)
+    assert json.loads(rows[0]["extra"]) == {"text": "hello", "lang": "en"} and rows[1]["speaker"] == "bob"
+
+
+def test_manifest_of_npy_files_and_npz(tmp_path):
+    np.save(tmp_path / "u1.npy", np.array([5, 6, 7], np.int16))
+    np.save(tmp_path / "u2.npy", np.array([7, 6], np.int64))
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "u1", "speaker": "s", "path": "u1.npy"},
+                                                  {"id": "u2", "speaker": "s", "path": "u2.npy"}])
+    assert [u.tokens.tolist() for u in read_corpus(manifest, Vocabulary())] == [[5, 6, 7], [7, 6]]
+    np.savez(tmp_path / "c.npz", tokens=np.array([1, 2, 3, 4, 5]), lengths=np.array([2, 3]),
+             ids=np.array(["x", "y"]), speakers=np.array(["p", "q"]))
+    utts = list(read_corpus(tmp_path / "c.npz", Vocabulary()))
+    assert [(u.id, u.speaker, u.tokens.tolist()) for u in utts] == [("x", "p", [1, 2]), ("y", "q", [3, 4, 5])]
+
+
+def test_offset_vocabulary_and_stop_ids(tmp_path):
+    # LLaSA-like: speech ids start at 128264; 128261 ends speech and must never be stored
+    corpus = write_jsonl(tmp_path / "c.jsonl", [
+        {"speaker": "s", "tokens": [128264, 128265, 128266, 128261, 128270, 128271]},
+    ])
+    vocab = Vocabulary(speech_offset=128264, size=65536, stop_ids=(128261,))
+    (utt,) = read_corpus(corpus, vocab)
+    assert utt.tokens.tolist() == [0, 1, 2, -1, 6, 7]
+    ds = build(corpus, tmp_path / "store", speech_offset=128264, vocab_size=65536, stop_ids=[128261],
+               faiss=False, progress=False)
+    assert ds.info()["tokens"] == 5 and ds.info()["vocabulary"]["stop_ids"] == [128261]
+    assert ds.info()["vocabulary"]["dtype"] == "uint32"  # 65536 ids + a sentinel do not fit uint16
+    stream = np.asarray(ds.general.tokens).tolist()
+    sentinel = ds.general.sentinel
+    assert stream == [sentinel, 0, 1, 2, sentinel, 6, 7, sentinel]  # the stop id split the utterance
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "c.jsonl:2: not valid JSON"),
+    ('{"speaker": "s"}', "c.jsonl:2: utterance has no 'tokens'"),
+    ('{"speaker": "s", "tokens": [1, 2.5]}', "c.jsonl:2: token 2.5 is not an integer"),
+    ('{"speaker": "s", "tokens": [1, "7"]}', "c.jsonl:2: token '7' is not an integer"),
+    ('{"speaker": "s", "tokens": [1, true]}', "c.jsonl:2: token True is not an integer"),
+    ('{"speaker": "s", "tokens": [1, -4]}', "c.jsonl:2: negative token id -4"),
+    ('{"speaker": "s", "tokens": [1, 99]}', "c.jsonl:2: token id 99 is outside the speech range 0..9"),
+    ('{"speaker": "s", "tokens": [[1, 2]]}', "c.jsonl:2: tokens must be a 1-D list"),
+    ('{"speaker": "s", "tokens": [1, 99999999999999999999999]}', "c.jsonl:2: token id too large"),
+    ('[1, 2, 3]', "c.jsonl:2: expected a JSON object"),
+    ('{"tokens": [1, 2]}', "c.jsonl:2: utterance 'c:2' has no 'speaker'"),
+])
+def test_bad_lines_name_file_and_line(tmp_path, line, message):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"speaker": "s", "tokens": [1, 2, 3]}\n' + line + "\n")
+    with pytest.raises(CorpusError) as err:
+        build(corpus, tmp_path / "store", vocab_size=10, faiss=False, progress=False)
+    assert message in str(err.value)
+    assert not (tmp_path / "store").exists()
+    assert not list(tmp_path.glob(".store*"))  # no half-written store either
+
+
+def test_missing_empty_and_unreadable_corpora(tmp_path):
+    with pytest.raises(CorpusError, match="corpus file not found"):
+        build(tmp_path / "nope.jsonl", tmp_path / "s", progress=False)
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(CorpusError, match="corpus is empty"):
+        build(tmp_path / "empty.jsonl", tmp_path / "s", progress=False)
+    write_jsonl(tmp_path / "stops.jsonl", [{"speaker": "s", "tokens": [9, 9]}])
+    with pytest.raises(CorpusError, match="corpus is empty"):
+        build(tmp_path / "stops.jsonl", tmp_path / "s", stop_ids=[9], vocab_size=9, progress=False)
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"speaker": "s", "path": "missing.npy"}])
+    with pytest.raises(CorpusError, match=r"m.jsonl:1: cannot read .*missing.npy"):
+        list(read_corpus(manifest, Vocabulary()))
+    np.savez(tmp_path / "bad.npz", tokens=np.arange(5), lengths=np.array([2, 2]))
+    with pytest.raises(CorpusError, match="'lengths' sum to 4 but 'tokens' holds 5"):
+        list(read_corpus(tmp_path / "bad.npz", Vocabulary()))
+    np.savez(tmp_path / "nolen.npz", tokens=np.arange(5))
+    with pytest.raises(CorpusError, match="needs arrays 'tokens' and 'lengths'"):
+        list(read_corpus(tmp_path / "nolen.npz", Vocabulary()))
+    assert not (tmp_path / "s").exists()
+
+
+def test_no_speaker_is_fine_without_per_speaker_stores(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"tokens": [1, 2, 3]}, {"tokens": [2, 3, 4]}])
+    ds = build(corpus, tmp_path / "store", per_speaker=False, faiss=False, progress=False)
+    assert ds.speakers == () and open_datastore(tmp_path / "store").info()["tokens"] == 6

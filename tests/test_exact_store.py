@@ -1,0 +1,148 @@
+"""Exact store: the suffix array, memory mapping, and (hypothesis) that every proposed path really
+followed the context in the corpus and never crosses an utterance or stop-id boundary."""
+
+import json
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from echospec.datastore import build, open_datastore
+from echospec.datastore.exact import concat_segments, suffix_array
+from echospec.retriever import Retriever
+
+
+def brute_force_sa(stream, vocab, depth):
+    sentinel = np.iinfo(stream.dtype).max
+
+    def key(p):
+        return [vocab if p - d < 0 or stream[p - d] == sentinel else int(stream[p - d]) for d in range(depth)], p
+
+    return sorted((p for p in range(len(stream) - 1) if stream[p] != sentinel and stream[p + 1] != sentinel), key=key)
+
+
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=20), min_size=1, max_size=15),
+       st.integers(1, 9))
+@settings(max_examples=60, deadline=None)
+def test_suffix_array_sorts_reversed_ngrams(segments, depth):
+    stream = concat_segments([np.array(s) for s in segments], 5)
+    assert suffix_array(stream, 5, depth).tolist() == brute_force_sa(stream, 5, depth)
+
+
+def test_large_vocabulary_uses_uint32_and_sorts(tmp_path):
+    rng = np.random.default_rng(0)
+    segments = [rng.integers(0, 200_000, 30) for _ in range(20)] + [np.array([199_999, 5, 199_999, 5, 7])] * 2
+    stream = concat_segments(segments, 200_000)
+    assert stream.dtype == np.uint32
+    assert suffix_array(stream, 200_000, 4).tolist() == brute_force_sa(stream, 200_000, 4)
+
+
+def test_store_is_memory_mapped_and_small(tmp_path):
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for _ in range(200):
+            f.write(json.dumps({"speaker": "s", "tokens": rng.integers(0, 1000, 250).tolist()}) + "\n")
+    ds = build(tmp_path / "c.jsonl", tmp_path / "store", faiss=False, per_speaker=False, progress=False)
+    for arr in (ds.general.tokens, ds.general.sa, ds.general.first):
+        assert isinstance(arr, np.memmap)  # opening maps files; nothing is read up front
+    assert ds.info()["general_bytes_per_token"] <= 8.0
+
+
+def segments_of(utterances, stop):
+    out = []
+    for tokens in utterances:
+        seg = []
+        for t in tokens + [stop]:
+            if t == stop:
+                if seg:
+                    out.append(seg)
+                seg = []
+            else:
+                seg.append(t)
+    return out
+
+
+def longest_match(segments, ctx, n_max):
+    """Longest k <= n_max such that ctx[-k:] ends somewhere in a segment with a token after it."""
+    best = 0
+    for seg in segments:
+        for j in range(len(seg) - 1):
+            k = 0
+            while k < min(n_max, len(ctx)) and j - k >= 0 and seg[j - k] == ctx[-1 - k]:
+                k += 1
+            best = max(best, k)
+    return best
+
+
+def follows(path, segments, ctx, k):
+    """`path` continues an occurrence of ctx[-k:] inside one segment."""
+    for seg in segments:
+        for j in range(k - 1, len(seg) - len(path)):
+            if seg[j - k + 1:j + 1] == ctx[len(ctx) - k:] and seg[j + 1:j + 1 + len(path)] == path:
+                return True
+    return False
+
+
+def tree_paths(tree):
+    for node in range(len(tree)):
+        path, at = [], node
+        while at >= 0:
+            path.append(int(tree.tokens[at]))
+            at = int(tree.parents[at])
+        yield path[::-1]
+
+
+@st.composite
+def corpus_and_context(draw):
+    vocab = draw(st.integers(2, 5))
+    stop = vocab  # a raw id just past the speech range
+    utterances = draw(st.lists(st.lists(st.integers(0, vocab), min_size=1, max_size=25), min_size=1, max_size=10))
+    speakers = [draw(st.sampled_from(["a", "b"])) for _ in utterances]
+    if not any(t != stop for u in utterances for t in u):
+        utterances[0].append(0)
+    source = draw(st.sampled_from(utterances))
+    cut = draw(st.integers(0, len(source)))
+    noise = draw(st.lists(st.integers(0, vocab - 1), min_size=0, max_size=4))
+    context = [t for t in source[:cut] if t != stop] + noise or [0]
+    return vocab, utterances, speakers, context, draw(st.sampled_from([None, *sorted(set(speakers))]))
+
+
+@given(corpus_and_context(), st.sampled_from([1, 16]))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_every_exact_path_followed_the_context_in_the_corpus(case, min_support):
+    vocab, utterances, speakers, context, speaker = case
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "c.jsonl"
+        corpus.write_text("".join(json.dumps({"speaker": s, "tokens": u}) + "\n" for s, u in zip(speakers, utterances)))
+        ds = build(corpus, Path(tmp) / "store", vocab_size=vocab, stop_ids=[vocab], n_max=4, faiss=False,
+                   progress=False)
+        r = Retriever(ds, prompt_lookup=False, use_faiss=False, min_support=min_support, cap=10_000,
+                      max_nodes=64, max_depth=6)
+        tree = r.propose(np.array(context), speaker=speaker)
+    general = segments_of(utterances, vocab)
+    own = segments_of([u for s, u in zip(speakers, utterances) if s == speaker], vocab)
+    k_general = longest_match(general, context, 4)
+    k_own = longest_match(own, context, 4) if speaker else 0
+    assert (len(tree) > 0) == (max(k_general, k_own) > 0)
+    for path in tree_paths(tree):
+        if min_support == 1:  # the deepest match is used: paths continue exactly that suffix
+            assert follows(path, general, context, k_general) or follows(path, own, context, k_own), path
+        else:  # backed off to a shorter suffix with more support, but still a real one
+            assert any(follows(path, general, context, k) for k in range(1, k_general + 1)), path
+
+
+def test_propose_is_deterministic_across_threads(tmp_path):
+    rng = np.random.default_rng(1)
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for i in range(100):
+            f.write(json.dumps({"speaker": f"s{i % 4}", "tokens": rng.integers(0, 50, 60).tolist()}) + "\n")
+    build(tmp_path / "c.jsonl", tmp_path / "store", faiss=False, progress=False)
+    r = Retriever(open_datastore(tmp_path / "store"))
+    contexts = [(rng.integers(0, 50, int(rng.integers(1, 40))), f"s{i % 4}" if i % 2 else None) for i in range(64)]
+    serial = [r.propose(c, speaker=s).to_dict() for c, s in contexts]
+    with ThreadPoolExecutor(8) as pool:
+        parallel = list(pool.map(lambda cs: r.propose(cs[0], speaker=cs[1]).to_dict(), contexts * 4))
+    assert parallel == serial * 4
