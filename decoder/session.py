@@ -358,24 +358,34 @@ class SpeculativeSession:
             self.cost_curve = _CURVES.get(self.model) or self.measure_cost_curve()
             _CURVES[self.model] = self.cost_curve
         self.stats.cost_curve = self.cost_curve.to_dict()
-        self.budget = NodeBudget(self.cost_curve, AUTO_MAX_NODES)
+        # the acceptance seen so far carries over between utterances decoded with the same retriever
+        try:
+            self.budget = _BUDGETS.get(self.retriever)
+            if self.budget is None or self.budget.curve is not self.cost_curve:
+                self.budget = _BUDGETS[self.retriever] = NodeBudget(self.cost_curve, AUTO_MAX_NODES)
+        except TypeError:  # a retriever that cannot be weakly referenced keeps its calibration per session
+            self.budget = NodeBudget(self.cost_curve, AUTO_MAX_NODES)
 
     @torch.no_grad()
-    def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 3) -> CostCurve:
-        """Median forward time of a verify step with each tree size, on the live cache (cropped back after)."""
+    def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 5) -> CostCurve:
+        """Forward time of a verify step against tree size, on the live cache (cropped back after each).
+
+        Sizes are timed round-robin after a warm-up round, so a noisy moment hits every size alike; the
+        curve keeps each size's fastest time and is made non-decreasing (more tokens never cost less).
+        """
         sizes = [s for s in sizes if self.cached + s < self.max_positions]
-        seconds = []
-        for n in sizes:
-            chain = CandidateTree.from_sequences([[0] * n], max_nodes=n, max_depth=n) if n else CandidateTree.empty()
-            times = []
-            for _ in range(repeats + 1):
+        chains = [CandidateTree.from_sequences([[0] * n], max_nodes=n, max_depth=n) for n in sizes]
+        forwards = self.stats.target_forwards
+        times = [[] for _ in sizes]
+        for _ in range(repeats + 1):
+            for i, chain in enumerate(chains):
                 start = time.perf_counter()
                 self.verify(chain)
-                times.append(time.perf_counter() - start)
-                self.cache.crop(-(n + 1))
-            seconds.append(float(np.median(times[1:])))
-        self.stats.target_forwards -= len(sizes) * (repeats + 1)
-        return CostCurve(list(sizes), seconds)
+                times[i].append(time.perf_counter() - start)
+                self.cache.crop(-(len(chain) + 1))
+        self.stats.target_forwards = forwards
+        fastest = np.maximum.accumulate([min(t[1:]) for t in times])
+        return CostCurve(list(sizes), [float(t) for t in fastest])
 
     def _score_shadow_trees(self) -> None:
         """Score proposed trees against the tokens that actually followed, to calibrate the auto budget.
@@ -394,6 +404,7 @@ class SpeculativeSession:
 
 
 _CURVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its measured CostCurve
+_BUDGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # retriever -> its calibrated NodeBudget
 
 
 def _matched_depth(tree: CandidateTree, continuation: list[int], offset: int) -> int:
