@@ -175,6 +175,7 @@ def test_latency_contexts_cover_utterances_in_order():
     from echospec.tools.bench_retriever import latency_contexts
 
     held = [np.arange(50), np.arange(30)]
-    contexts = latency_contexts(held, calls=20)
-    assert len(contexts) >= 20
-    assert contexts == sorted(contexts) and all(1 <= pos < len(held[u]) for u, pos in contexts)
+    for calls in (20, 60):
+        contexts = latency_contexts(held, calls=calls)
+        assert len(contexts) >= calls
+        assert contexts == sorted(contexts) and all(1 <= pos < len(held[u]) for u, pos in contexts)
