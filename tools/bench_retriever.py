@@ -430,18 +430,20 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     colours = {"echospec": "tab:blue", "SuffixDecoding": "tab:orange", "REST (reference)": "tab:green"}
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in result["systems"]:
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    markers = "osD^v<>pPXh*"
+    for i, r in enumerate(result["systems"]):
         lat, orc = r["latency"], r["oracle"]
         c = colours.get(r["family"], "tab:gray")
-        ax.plot([lat["p50_us"], lat["p99_us"]], [orc["tokens_per_step"]] * 2, color=c, alpha=0.35, lw=2)
-        ax.plot(lat["p50_us"], orc["tokens_per_step"], "o", color=c)
-        ax.annotate(r["name"], (lat["p50_us"], orc["tokens_per_step"]), fontsize=7, xytext=(4, 4),
-                    textcoords="offset points")
+        ax.plot([lat["p50_us"], lat["p99_us"]], [orc["tokens_per_step"]] * 2, color=c, alpha=0.3, lw=2)
+        ax.plot(lat["p50_us"], orc["tokens_per_step"], markers[i % len(markers)], color=c, label=r["name"])
+    ax.legend(fontsize=7, loc="lower right")
+    ax.axvline(30, color="gray", ls="--", lw=1)
+    ax.text(30, ax.get_ylim()[0], " 30 µs target", fontsize=7, color="gray", va="bottom")
     ax.set_xscale("log")
     ax.set_xlabel("propose latency, µs (dot: p50, line to p99)")
     ax.set_ylabel("oracle tokens per step (incl. bonus token)")
-    ax.set_title(f"Retriever latency vs oracle acceptance — {result['corpus']}", fontsize=9)
+    ax.set_title("Retriever latency vs oracle acceptance\n" + result["corpus"], fontsize=9)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
