@@ -42,7 +42,7 @@ def make_corpus(out_dir, speakers, text_files, utterances_per_speaker, n_prompts
 @main.command("train-model")
 @click.argument("corpus_dir", type=click.Path(exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--steps", default=3000, show_default=True, type=click.IntRange(min=1))
+@click.option("--steps", default=2000, show_default=True, type=click.IntRange(min=1))
 @click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1))
 @click.option("--lr", default=2e-3, show_default=True, type=float)
 @click.option("--hidden", default=192, show_default=True, type=click.IntRange(min=8))

@@ -38,7 +38,7 @@ class TrainingDataError(ValueError):
 class TrainConfig:
     """Model size and schedule. The defaults give ~1.7M parameters and fit in ~15 minutes on 2 busy cores."""
 
-    steps: int = 3000
+    steps: int = 2000
     batch_size: int = 16
     lr: float = 2e-3
     warmup: int = 100
@@ -254,7 +254,9 @@ def train_model(corpus_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: 
             optimizer.step()
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if heldout and (step + 1) % cfg.eval_every == 0:
-                history.append({"step": step + 1, "heldout": evaluate(model, heldout, meta.pad_id)})
+                held_loss, held_acc = evaluate(model, heldout, meta.pad_id)
+                history.append({"step": step + 1, "heldout_loss": round(held_loss, 4), "heldout_accuracy": round(held_acc, 4)})
+                bar.write(f"step {step + 1}: held-out loss {held_loss:.3f}, next-token accuracy {held_acc:.3f}")
         else:
             step = cfg.steps
         train_seconds = time.monotonic() - start
