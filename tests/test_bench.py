@@ -1,0 +1,65 @@
+"""`echospec bench` and `echospec demo` end to end on the shipped sample, with a small budget."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from echospec.tools.cli import main
+from echospec.tools.demo import SAMPLE_CORPUS, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
+from echospec.tools.tts_prompt import SAMPLE_MODEL_DIR
+
+SYSTEM_FIELDS = {"baseline", "tokens_per_forward", "time_per_token_ms", "speedup", "lm_rtf", "new_tokens",
+                 "log_likelihood", "mel_distortion", "accepted_lengths"}
+
+
+@pytest.fixture(scope="module")
+def sample_store(tmp_path_factory):
+    from echospec.datastore import build
+
+    path = tmp_path_factory.mktemp("store") / "sample"
+    build(SAMPLE_CORPUS, path, per_speaker=True, faiss=False, progress=False)
+    return path
+
+
+def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path):
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(main, [
+        "bench", str(SAMPLE_MODEL_DIR), "--store", str(sample_store), "--prompts", str(SAMPLE_PROMPTS),
+        "--tokenizer", str(SAMPLE_TOKENIZER), "--policy", "exact-greedy", "--policy", "exact-sampling",
+        "--policy", "filtered", "--limit", "2", "--max-new-tokens", "40", "--threads", "1",
+        "--sweep-nodes", "4", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    systems = report["systems"]
+    expected = {"autoregressive", "hf-prompt-lookup", "ar-sampling", "exact-greedy/speaker", "exact-greedy/general",
+                "exact-sampling/speaker", "exact-sampling/general", "filtered/speaker", "filtered/general",
+                "exact-sampling/speaker/n4d8"}
+    assert set(systems) == expected
+    for name, entry in systems.items():
+        assert SYSTEM_FIELDS <= set(entry), name
+        assert entry["new_tokens"] > 0 and entry["tokens_per_forward"] >= 1.0
+        assert set(entry["log_likelihood"]) == {"mean", "ci95"}
+    for name in ("hf-prompt-lookup", "exact-greedy/speaker", "exact-greedy/general"):
+        assert systems[name]["identical_to_baseline"] == 1.0, name
+    for name in ("exact-sampling/speaker", "exact-sampling/general"):
+        assert systems[name]["identical_to_baseline"] == 1.0, name
+    assert systems["ar-sampling"]["mel_distortion"] is not None
+    assert (out / "bench.png").stat().st_size > 10_000 and (out / "bench.md").exists()
+    assert "exact-greedy/speaker" in result.output
+
+
+def test_bench_bad_prompts_file_is_a_clear_error(sample_store, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "hello", "speaker": "nobody"}\n')
+    result = CliRunner().invoke(main, ["bench", str(SAMPLE_MODEL_DIR), "--store", str(sample_store),
+                                       "--prompts", str(prompts), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1
+    assert "prompts.jsonl:1" in result.output and "nobody" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_bench_needs_an_echospec_checkpoint(sample_store, tmp_path):
+    result = CliRunner().invoke(main, ["bench", str(tmp_path), "--store", str(sample_store),
+                                       "--prompts", str(SAMPLE_PROMPTS)])
+    assert result.exit_code == 1 and "echospec_tts.json" in result.output
