@@ -10,6 +10,7 @@ def main() -> None:
 
 
 # Subcommands register themselves here, one import per module (keep this list sorted).
+from . import cli_bench  # noqa: E402,F401
 from . import cli_corpus  # noqa: E402,F401
 from . import cli_serve  # noqa: E402,F401
 from . import cli_store  # noqa: E402,F401
