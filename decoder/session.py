@@ -30,6 +30,7 @@ from .vocab import SpeechVocab
 
 ALLOWED_ATTENTION = ("eager", "sdpa")
 AUTO_MAX_NODES = 64
+MAX_IDLE_STEPS = 4  # auto budget: while trees do not pay, ask the retriever at least every 5th step
 
 
 def check_model(model) -> None:
@@ -255,7 +256,7 @@ class SpeculativeSession:
         if self.budget is not None:
             self._shadow.append((len(self.generated), tree, float(tree.probs[order].sum())))
             chosen = self.budget.choose(tree, order, propose_seconds)
-            self._idle = 0 if chosen else min(2 * self._idle + 1, 16)
+            self._idle = 0 if chosen else min(2 * self._idle + 1, MAX_IDLE_STEPS)
             self._skip = self._idle
             cap = chosen
         return tree if len(tree) <= cap else subtree(tree, order[:cap])
@@ -358,13 +359,14 @@ class SpeculativeSession:
             self.cost_curve = _CURVES.get(self.model) or self.measure_cost_curve()
             _CURVES[self.model] = self.cost_curve
         self.stats.cost_curve = self.cost_curve.to_dict()
-        # the acceptance seen so far carries over between utterances decoded with the same retriever
+        # the acceptance seen so far carries over between utterances with the same retriever and policy kind
         try:
-            self.budget = _BUDGETS.get(self.retriever)
-            if self.budget is None or self.budget.curve is not self.cost_curve:
-                self.budget = _BUDGETS[self.retriever] = NodeBudget(self.cost_curve, AUTO_MAX_NODES)
+            budgets = _BUDGETS.setdefault(self.retriever, {})
         except TypeError:  # a retriever that cannot be weakly referenced keeps its calibration per session
-            self.budget = NodeBudget(self.cost_curve, AUTO_MAX_NODES)
+            budgets = {}
+        self.budget = budgets.get(type(self.policy))
+        if self.budget is None or self.budget.curve is not self.cost_curve:
+            self.budget = budgets[type(self.policy)] = NodeBudget(self.cost_curve, AUTO_MAX_NODES)
 
     @torch.no_grad()
     def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 5) -> CostCurve:
@@ -404,7 +406,7 @@ class SpeculativeSession:
 
 
 _CURVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its measured CostCurve
-_BUDGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # retriever -> its calibrated NodeBudget
+_BUDGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # retriever -> {policy class: NodeBudget}
 
 
 def _matched_depth(tree: CandidateTree, continuation: list[int], offset: int) -> int:
