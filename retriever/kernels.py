@@ -28,7 +28,8 @@ def context_is_valid(ctx, vocab_size):
 def match(tokens, sa, first, ctx, n_max, los, his):
     """Deepest k <= n_max such that the context's last k tokens occur in the store.
 
-    los[d], his[d] receive the sa range of the last d tokens for d = 1..k. `sa` is sorted by the
+    los[d], his[d] receive the sa range of the last d tokens for d = 1..k, and los[k + 1] (=
+    his[k + 1]) where the next longer suffix would be (the middle when there is none to try). `sa` is sorted by the
     reversed n-gram, so each extra token to the left narrows the range by two binary searches.
     """
     n = ctx.shape[0]
@@ -65,12 +66,16 @@ def match(tokens, sa, first, ctx, n_max, los, his):
             else:
                 b = m
         if a == new_lo:
-            break
+            los[k + 1] = a  # where the longer suffix would sit: its nearest neighbours surround it
+            his[k + 1] = a
+            return k
         lo = new_lo
         hi = a
         k += 1
         los[k] = lo
         his[k] = hi
+    los[k + 1] = (lo + hi) >> 1
+    his[k + 1] = los[k + 1]
     return k
 
 
@@ -94,11 +99,12 @@ def copy_continuation(stream, start, stop_at, out, row):
 @njit(cache=True, nogil=True)
 def gather_store(tokens, sa, first, ctx, n_min, n_max, min_support, cap, out, row0):
     """Continuations of the longest context suffix (n_min..n_max) with at least `min_support`
-    occurrences (the longest match when none has that many). At most `cap` occurrences, spread
-    evenly over the match range, so the sample is deterministic and not biased to one side.
-    Returns (rows written, match length, occurrences)."""
-    los = np.empty(n_max + 1, np.int64)
-    his = np.empty(n_max + 1, np.int64)
+    occurrences (the longest match when none has that many). With more than `cap` occurrences, the
+    `cap` taken are a contiguous block of the suffix array centred where the next longer suffix
+    sits: the occurrences whose further-left context is closest to this one's, read from
+    consecutive memory. Returns (rows written, match length, occurrences)."""
+    los = np.empty(n_max + 2, np.int64)
+    his = np.empty(n_max + 2, np.int64)
     k = match(tokens, sa, first, ctx, n_max, los, his)
     if k < n_min:
         return 0, k, 0
@@ -108,11 +114,14 @@ def gather_store(tokens, sa, first, ctx, n_min, n_max, min_support, cap, out, ro
     if his[d] - los[d] < min_support:
         d = k
     lo = los[d]
-    count = his[d] - lo
+    hi = his[d]
+    count = hi - lo
     m = min(count, cap, out.shape[0] - row0)
+    centre = (los[d + 1] + his[d + 1]) >> 1
+    start = min(max(lo, centre - m // 2), hi - m)
     vocab = first.shape[0] - 1
     for j in range(m):
-        copy_continuation(tokens, sa[lo + (j * count) // m] + 1, vocab, out, row0 + j)
+        copy_continuation(tokens, sa[start + j] + 1, vocab, out, row0 + j)
     return m, d, count
 
 
@@ -160,14 +169,19 @@ def build_tree(conts, n_rows, wcount, wprob, src, max_nodes):
     """
     width = conts.shape[1]
     cap_nodes = n_rows * width
-    tok = np.empty(cap_nodes, np.int64)
-    par = np.empty(cap_nodes, np.int64)
+    tok = np.empty(cap_nodes, np.int64)  # per-node arrays are filled when a node is created:
+    par = np.empty(cap_nodes, np.int64)  # zeroing them all would cost more than the insertions
     dep = np.empty(cap_nodes, np.int64)
-    cnt = np.zeros(cap_nodes, np.float64)
-    prb = np.zeros(cap_nodes, np.float64)
-    srcw = np.zeros((cap_nodes, N_SOURCES), np.float64)
+    cnt = np.empty(cap_nodes, np.float64)
+    prb = np.empty(cap_nodes, np.float64)
+    srcw = np.empty((cap_nodes, N_SOURCES), np.float64)
     child = np.empty(cap_nodes, np.int64)
     sibling = np.empty(cap_nodes, np.int64)
+    # The root can have a child per row: find them by open addressing, not a sibling walk.
+    slots = 16
+    while slots < 2 * n_rows:
+        slots *= 2
+    root_slot = np.full(slots, -1, np.int64)
     root_child = -1
     nodes = 0
     for r in range(n_rows):
@@ -176,9 +190,15 @@ def build_tree(conts, n_rows, wcount, wprob, src, max_nodes):
             v = conts[r, t]
             if v < 0:
                 break
-            c = root_child if node < 0 else child[node]
-            while c >= 0 and tok[c] != v:
-                c = sibling[c]
+            if node < 0:
+                h = (v * 2654435761) & (slots - 1)
+                while root_slot[h] >= 0 and tok[root_slot[h]] != v:
+                    h = (h + 1) & (slots - 1)
+                c = root_slot[h]
+            else:
+                c = child[node]
+                while c >= 0 and tok[c] != v:
+                    c = sibling[c]
             if c < 0:
                 c = nodes
                 nodes += 1
@@ -186,7 +206,11 @@ def build_tree(conts, n_rows, wcount, wprob, src, max_nodes):
                 par[c] = node
                 dep[c] = t + 1
                 child[c] = -1
+                cnt[c] = 0.0
+                prb[c] = 0.0
+                srcw[c, :] = 0.0
                 if node < 0:
+                    root_slot[h] = c
                     sibling[c] = root_child
                     root_child = c
                 else:

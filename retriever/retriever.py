@@ -1,30 +1,34 @@
 """Retriever: context -> CandidateTree in microseconds.
 
 Sources, in order: prompt lookup (the request's own prompt speech and output so far), the speaker's
-exact store, the general exact store, and the FAISS store when the exact stores matched too little.
-Each exact source takes the longest context suffix with at least `min_support` occurrences and
-samples up to `cap` of them; every gathered continuation is one row worth its source's weight times
-the source's match length. A node's probability is the weight of the rows through it over the
-total (counts turned into probabilities, as SuffixDecoding does); the merged trie keeps the
-`max_nodes` most probable nodes up to `max_depth`.
+exact store, the general exact store, and the FAISS store when no exact store matched even the last
+token. Each exact source takes the longest context suffix with at least `min_support` occurrences;
+when it has more than `cap`, it takes the `cap` whose further-left context is nearest (a contiguous
+block of the suffix array, which also reads memory in order). Every gathered continuation is one row
+worth its source's weight times the source's match length. A node's probability is the weight of
+the rows through it over the total (counts turned into probabilities, as SuffixDecoding does); the
+merged trie keeps the `max_nodes` most probable nodes up to `max_depth`.
 
 Defaults, chosen by oracle acceptance (tokens per step = accepted + 1) on 60 held-out utterances of a
 1M-token speech-like corpus, each replayed behind a 6 s same-speaker prompt; every figure changes one
-setting from the defaults, which score 2.642 (`python -m echospec.tools.retriever_defaults`):
-  min_support 16   1 (longest match only, as SuffixDecoding): 2.499; 4: 2.607; 8: 2.627;
-                   32: 2.645 — speech tokens are noisy, so a longer context seen once predicts
+setting from the defaults, which score 2.635 (`python -m echospec.tools.retriever_defaults`):
+  min_support 32   1 (longest match only, as SuffixDecoding): 2.456; 8: 2.599; 16: 2.632;
+                   64: 2.628 — speech tokens are noisy, so a longer context seen once predicts
                    worse than a shorter one seen often.
-  cap 128          32: 2.576; 64: 2.631; 256: 2.655 — 256 doubles the trie for +0.5%.
-  pooled rows      weighing each source to equal mass instead scored 2.53 (earlier sweep): a
-                   source with 3 occurrences should not outvote one with 128.
-  weights 1,1,1,.5 speaker x2: 2.622; general x2: 2.633; general only: 2.571; FAISS x1: 2.638.
-  n_min 1          2: 2.173; 3: 1.928 — a one-token match still beats proposing nothing.
-  n_max 8          4: 2.639; 6: 2.641; 12 and 16: 2.643 — longer suffixes seldom have support.
-  prompt_n_min 2   1: 2.644; 3: 2.641; no prompt lookup: 2.640.
-  faiss_below 2    1: 2.637; 3: 2.641; no FAISS: 2.637. FAISS adds little on this corpus, where
-                   the exact stores nearly always match a token or two; it is the fallback for
-                   contexts they miss entirely.
-  max_depth 8      6: 2.624; 12: 2.651.
+  cap 32           16: 2.541; 64 and 128: 2.648 — +0.5% for twice the rows and trie; 32 keeps
+                   propose near 30 us on a 10M-token store. (Sampling evenly over the whole range
+                   instead of the nearest block needed cap 128 for the same score.)
+  pooled rows      weighing each source to equal mass instead scored 2.53 in an earlier sweep: a
+                   source with 3 occurrences should not outvote one with 32.
+  weights 1,1,1,.5 speaker x2: 2.604; general x2: 2.627; general store only: 2.554.
+  n_min 1          2: 1.907; 3: 1.549 — a one-token match still beats proposing nothing.
+  n_max 8          4: 2.628; 6, 12, 16: 2.635-2.636 — longer suffixes seldom have the support.
+  prompt_n_min 2   1: 2.636; 3: 2.633; no prompt lookup: 2.632.
+  faiss_below 1    2: 2.643; 3: 2.641; no FAISS: 2.635. Consulting FAISS whenever fewer than 2
+                   tokens match gains 0.3% but calls it on >10% of steps at ~45 us each (IVF
+                   search), so by default it answers only contexts whose last token no exact
+                   store has seen — the contexts exact matching cannot serve at all.
+  max_depth 8      6: 2.622; 12: 2.630.
 Indicative only: one synthetic corpus; the benchmark (tools/bench_retriever.py) compares peers.
 """
 
@@ -50,16 +54,16 @@ class Retriever:
     max_nodes, max_depth  default budget of a proposal (the retrieval paper verifies 16 candidates)
     prompt_lookup         also match the context against itself
     use_faiss             consult the FAISS store when exact stores matched fewer than
-                          `faiss_below` tokens
-    cap                   most occurrences sampled per exact source (evenly over the match range)
+                          `faiss_below` tokens (1: only when they matched nothing)
+    cap                   most occurrences taken per exact source (those nearest in left context)
     min_support           back off to a shorter suffix until it has this many occurrences
     weights               source weights (prompt, speaker, general, faiss)
     """
 
     def __init__(self, store: str | Path | Datastore, max_nodes: int = 16, max_depth: int = 8,
-                 prompt_lookup: bool = True, use_faiss: bool = True, cap: int = 128, min_support: int = 16,
+                 prompt_lookup: bool = True, use_faiss: bool = True, cap: int = 32, min_support: int = 32,
                  n_min: int | None = None, n_max: int | None = None, prompt_n_min: int = 2,
-                 prompt_window: int = 4096, faiss_below: int = 2, faiss_k: int = 16,
+                 prompt_window: int = 4096, faiss_below: int = 1, faiss_k: int = 16,
                  weights: tuple[float, float, float, float] = DEFAULT_WEIGHTS):
         self.datastore = store if isinstance(store, Datastore) else open_datastore(store)
         ds = self.datastore

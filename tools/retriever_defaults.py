@@ -69,10 +69,10 @@ def cli(tokens: int, held_out: int, seed: int) -> None:
         requests = [(last[corpus.speaker_name(i)], corpus.speaker_name(i), corpus.utterance(i))
                     for i in sorted(test) if corpus.speaker_name(i) in last]
         settings = [{}] + [{k: v} for k, vs in {
-            "min_support": [1, 4, 8, 32], "cap": [32, 64, 256], "n_min": [2, 3], "n_max": [4, 6, 12, 16],
+            "min_support": [1, 8, 16, 64], "cap": [16, 64, 128], "n_min": [2, 3], "n_max": [4, 6, 12, 16],
             "weights": [(2, 1, 1, 0.5), (1, 2, 1, 0.5), (1, 1, 2, 0.5), (1, 1, 1, 0.25), (1, 1, 1, 1),
                         (0, 0, 1, 0)],
-            "prompt_lookup": [False], "prompt_n_min": [1, 3], "use_faiss": [False], "faiss_below": [1, 3],
+            "prompt_lookup": [False], "prompt_n_min": [1, 3], "use_faiss": [False], "faiss_below": [2, 3],
             "max_depth": [6, 12],
         }.items() for v in vs]
         for setting in settings:
