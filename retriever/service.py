@@ -445,8 +445,8 @@ class Service:
 
         @api.get("/healthz")
         def health() -> dict:
-            """Liveness: the service answers and has these stores open."""
-            return {"status": "ok", "stores": sorted(self.stores)}
+            """Liveness: the service answers and has these stores open (pid: which process answered)."""
+            return {"status": "ok", "stores": sorted(self.stores), "pid": os.getpid()}
 
         @api.get("/v1/stores")
         def list_stores() -> dict:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from echospec.datastore import build
-from echospec.datastore.synthetic import speech_like_corpus, write_jsonl
+from echospec.tools.synth_corpus import SynthConfig, generate
 
 API_KEY = "test-key-0123456789"
 ECHOSPEC = str(Path(sys.executable).with_name("echospec"))  # the console script of the venv running the tests
@@ -27,12 +27,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def synthetic_corpus(n_tokens: int, n_speakers: int = 3, seed: int = 3) -> list[dict]:
+    """Speech-like utterances `{"id", "speaker", "tokens"}` over a VOCAB-id vocabulary."""
+    synth = generate(SynthConfig(n_tokens=n_tokens, vocab=VOCAB, n_phones=32, n_speakers=n_speakers, seed=seed))
+    return [{"id": synth.utterance_id(i), "speaker": synth.speaker_name(i), "tokens": synth.utterance(i).tolist()}
+            for i in range(len(synth))]
+
+
+def write_jsonl(utterances: list[dict], path: Path) -> Path:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(u) + "\n" for u in utterances)
+    return path
+
+
 def make_store(root: Path, n_tokens: int = 20_000, n_speakers: int = 3, seed: int = 3) -> tuple[Path, list[dict]]:
     """A datastore (general + per-speaker exact stores, no FAISS) and the corpus it was built from."""
-    corpus = speech_like_corpus(n_tokens, vocab_size=VOCAB, n_speakers=n_speakers, seed=seed)
+    corpus = synthetic_corpus(n_tokens, n_speakers, seed)
     root.mkdir(parents=True, exist_ok=True)
-    write_jsonl(corpus, root / "corpus.jsonl")
-    build(root / "corpus.jsonl", root / "store", faiss=False, progress=False)
+    build(write_jsonl(corpus, root / "corpus.jsonl"), root / "store", vocab_size=VOCAB, faiss=False, progress=False)
     return root / "store", corpus
 
 
@@ -63,10 +75,12 @@ class Server:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n"
                                    f"{self.process.stdout.read().decode(errors='replace')}")
             try:
-                if request(self.url, "GET", "/healthz", timeout=1.0)[0] == 200:
+                status, _, body = request(self.url, "GET", "/healthz", timeout=1.0)
+                if status == 200 and json.loads(body)["pid"] == self.process.pid:  # ours, not a port squatter
                     return self
             except OSError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"server on port {self.port} did not answer /healthz within {timeout} s")
 

@@ -57,7 +57,7 @@ def contexts_of(corpus, n: int, seed: int = 0) -> list[tuple[np.ndarray, str | N
 
 def test_health_and_store_listing(server, corpus):
     status, _, body = request(server.url, "GET", "/healthz")
-    assert status == 200 and json.loads(body) == {"status": "ok", "stores": ["voices"]}
+    assert status == 200 and json.loads(body) == {"status": "ok", "stores": ["voices"], "pid": server.process.pid}
     status, _, body = request(server.url, "GET", "/v1/stores")
     (listed,) = json.loads(body)["stores"]
     assert listed["name"] == "voices" and listed["vocabulary"]["size"] == VOCAB
@@ -255,9 +255,9 @@ def test_enroll_append_replace_and_atomic_swap(server, store, corpus):
     remote = RemoteRetriever(server.url, store="voices", timeout=5.0)
     writer = RemoteRetriever(server.url, store="voices", api_key=API_KEY)
     donor = [u for u in corpus if u["speaker"] == corpus[0]["speaker"]]
-    first = [{"id": f"a{i}", "tokens": u["tokens"]} for i, u in enumerate(donor[:10])]
+    first = [{"id": f"a{i}", "tokens": u["tokens"]} for i, u in enumerate(donor[:5])]
     answer = writer.enroll("carol", first)
-    assert answer["speaker"] == "carol" and answer["utterances"] == 10 and "carol" in remote.speakers
+    assert answer["speaker"] == "carol" and answer["utterances"] == 5 and "carol" in remote.speakers
     context = np.array(donor[3]["tokens"][:20])
     assert remote.propose(context, speaker="carol").to_dict() == Retriever(store).propose(context, "carol").to_dict()
 
@@ -273,16 +273,18 @@ def test_enroll_append_replace_and_atomic_swap(server, store, corpus):
                 except Exception as e:  # noqa: BLE001
                     errors.append(repr(e))
 
-    thread = threading.Thread(target=propose_until_stopped)
+    thread = threading.Thread(target=propose_until_stopped, daemon=True)
     thread.start()
-    time.sleep(0.2)
-    more = [{"id": f"b{i}", "tokens": u["tokens"][::-1]} for i, u in enumerate(donor[10:40])]
-    assert writer.enroll("carol", more)["utterances"] == 40
-    acknowledged = time.monotonic()
-    after = Retriever(store).propose(context, speaker="carol").to_dict()
-    time.sleep(0.2)
-    stop.set()
-    thread.join()
+    try:
+        time.sleep(0.2)
+        more = [{"id": f"b{i}", "tokens": u["tokens"][::-1]} for i, u in enumerate(donor[5:])]
+        assert writer.enroll("carol", more)["utterances"] == len(first) + len(more)
+        acknowledged = time.monotonic()
+        after = Retriever(store).propose(context, speaker="carol").to_dict()
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        thread.join()
     assert errors == [] and len(seen) > 10
     assert before != after
     assert all(tree in (before, after) for _, tree in seen)
@@ -370,7 +372,7 @@ def test_remote_times_out_on_a_stalled_service(built, tmp_path):
 def test_writes_by_another_process_are_picked_up(server, store, corpus, tmp_path):
     """`echospec enroll`-style writes straight to the directory show up within the reload interval."""
     from echospec.datastore import enroll
-    from echospec.datastore.synthetic import write_jsonl
+    from service_testing import write_jsonl
 
     remote = RemoteRetriever(server.url, store="voices", timeout=5.0)
     assert "zed" not in remote.speakers

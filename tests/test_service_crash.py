@@ -32,6 +32,10 @@ def catalog_ids(store, speaker: str) -> set[str]:
         conn.close()
 
 
+def store_listing(store) -> list[str]:
+    return sorted(p.relative_to(store).as_posix() for p in store.rglob("*"))
+
+
 def enroll_until_killed(server: Server, corpus, round_: int, kill_after: float):
     """Enroll back to back from a thread; kill -9 the service after `kill_after` seconds. Returns the
     acknowledged batches and the one in flight at the kill (if any)."""
@@ -92,7 +96,8 @@ def test_kill_during_enrollment_loses_nothing_acknowledged(tmp_path, round_, kil
         local = Retriever(store)
         for u in corpus[:20]:
             context = np.array(u["tokens"][:15])
-            assert remote.propose(context, speaker="ann").to_dict() == local.propose(context, "ann").to_dict()
+            got, want = remote.propose(context, speaker="ann").to_dict(), local.propose(context, "ann").to_dict()
+            assert got == want, f"context {context.tolist()}: service {got}, in-process {want}, store {store_listing(store)}"
         # and the service still takes writes
         writer = RemoteRetriever(server.url, store="voices", api_key=API_KEY)
         assert writer.enroll("ann", batch(corpus, round_, 999))["utterances"] == n_utts + UTTERANCES_PER_ENROLL
