@@ -74,7 +74,7 @@ def test_load_sentences_parses_fortune_files(tmp_path):
     path = tmp_path / "f"
     path.write_text("The early bird catches the worm, they say.\n\t\t-- Someone\n%\nQ: Why did the chicken cross?\nA: To get to the other side.\n%\nNo.\n%\nThe early bird catches the worm, they say.\n")
     assert load_sentences([path]) == ["The early bird catches the worm, they say.", "Why did the chicken cross?", "To get to the other side."]
-    with pytest.raises(EngineMissingError, match="apt-get install fortunes-min"):
+    with pytest.raises(EngineMissingError, match="apt-get install fortunes"):
         load_sentences([tmp_path / "missing"])
 
 

@@ -1,6 +1,6 @@
 """Make a multi-speaker speech-token corpus offline with Debian's TTS engines.
 
-Texts (fortune-format files, by default Debian's `fortunes-min`) are spoken by espeak-ng and flite voices
+Texts (fortune-format files, by default Debian's `fortunes`) are spoken by espeak-ng and flite voices
 (each voice + variant is a speaker) with a random rate and pitch per utterance, converted to 16 kHz log-mel
 frames at 25 Hz, and tokenized by a k-means tokenizer trained (faiss) on the corpus part. Output folder:
 
@@ -37,8 +37,13 @@ from tqdm import tqdm
 from .speech_tokenizer import MelConfig, log_mel, resample, train_tokenizer
 
 APT_PACKAGES = {"espeak-ng": "espeak-ng", "flite": "flite"}
-DEFAULT_TEXT_FILES = tuple(f"/usr/share/games/fortunes/{name}" for name in ("fortunes", "literature", "riddles"))
-TEXT_PACKAGE = "fortunes-min"
+# Debian's `fortunes` (which pulls in `fortunes-min`): the non-offensive files of plain sayings, jokes and
+# riddles (~5,400 usable sentences); files of quoted lyrics, books or TV (songs-poems, pratchett, startrek) are left out.
+DEFAULT_TEXT_FILES = tuple(
+    f"/usr/share/games/fortunes/{name}"
+    for name in ("fortunes", "literature", "riddles", "wisdom", "platitudes", "work", "education", "kids", "food", "pets", "miscellaneous", "people")
+)
+TEXT_PACKAGE = "fortunes"
 # Mean F0 (Hz) we vary around for each flite voice; flite takes an absolute target, not an offset.
 FLITE_F0 = {"kal": 105.0, "kal16": 105.0, "awb": 115.0, "rms": 100.0, "slt": 170.0}
 ESPEAK_WPM = 165
@@ -157,7 +162,7 @@ def plan_corpus(
     def variation() -> tuple[float, float]:
         return round(rng.uniform(*rate_range), 3), round(rng.uniform(*pitch_range), 3)
 
-    plan, next_private = [], 0
+    plan, next_private, said_shared = [], 0, {}
     for speaker in speakers:
         said: list[str] = []
         for i in range(utterances_per_speaker):
@@ -166,13 +171,14 @@ def plan_corpus(
                 text = rng.choice(said)
             elif r < repeat_fraction + shared_fraction:
                 text = rng.choice(shared)
+                said_shared[text] = None  # insertion-ordered set: the choice below stays deterministic
             else:
                 text, next_private = private[next_private % len(private)], next_private + 1
             said.append(text)
             plan.append(Utterance(f"{speaker.name}-{i:05d}", speaker, text, *variation(), held_out=False))
     for j in range(n_prompts):
         in_corpus = j % 2 == 1
-        text = rng.choice(shared) if in_corpus else unseen[j // 2]
+        text = rng.choice(list(said_shared)) if in_corpus else unseen[j // 2]
         plan.append(Utterance(f"prompt-{j:04d}", speakers[j % len(speakers)], text, *variation(), True, in_corpus))
     return plan
 
@@ -252,7 +258,7 @@ def make_corpus(
     out_dir: str | os.PathLike,
     sentences: Sequence[str] | None = None,
     speakers: Sequence[Speaker] = DEFAULT_SPEAKERS,
-    utterances_per_speaker: int = 250,
+    utterances_per_speaker: int = 400,
     n_prompts: int = 60,
     vocab_size: int = 512,
     seed: int = 0,
