@@ -254,7 +254,7 @@ class SpeculativeSession:
             return tree
         order = prune_order(tree)
         if self.budget is not None:
-            self._shadow.append((len(self.generated), tree, float(tree.probs[order].sum())))
+            self._shadow.append([len(self.generated), tree, float(tree.probs[order].sum()), 0])
             chosen = self.budget.choose(tree, order, propose_seconds)
             self._idle = 0 if chosen else min(2 * self._idle + 1, MAX_IDLE_STEPS)
             self._skip = self._idle
@@ -319,6 +319,8 @@ class SpeculativeSession:
         tree = self.propose()
         verified = self.verify(tree)
         path, bonus = self.accept(verified)
+        if self._shadow and self._shadow[-1][0] == len(self.generated):
+            self._shadow[-1][3] = len(path)  # a relaxed policy may accept more than the output alone shows
         emitted = self._emit([verified.tokens[i] for i in path] + ([] if bonus is None else [bonus]))
         # the cache holds every emitted token but the last: fewer emitted (a stop, the length limit) keep fewer
         self.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
@@ -373,7 +375,7 @@ class SpeculativeSession:
         """Forward time of a verify step against tree size, on the live cache (cropped back after each).
 
         Sizes are timed round-robin after a warm-up round, so a noisy moment hits every size alike; the
-        curve keeps each size's fastest time and is made non-decreasing (more tokens never cost less).
+        curve keeps each size's median time and is made non-decreasing (more tokens never cost less).
         """
         sizes = [s for s in sizes if self.cached + s < self.max_positions]
         chains = [CandidateTree.from_sequences([[0] * n], max_nodes=n, max_depth=n) for n in sizes]
@@ -386,8 +388,8 @@ class SpeculativeSession:
                 times[i].append(time.perf_counter() - start)
                 self.cache.crop(-(len(chain) + 1))
         self.stats.target_forwards = forwards
-        fastest = np.maximum.accumulate([min(t[1:]) for t in times])
-        return CostCurve(list(sizes), [float(t) for t in fastest])
+        typical = np.maximum.accumulate([float(np.median(t[1:])) for t in times])
+        return CostCurve(list(sizes), [float(t) for t in typical])
 
     def _score_shadow_trees(self) -> None:
         """Score proposed trees against the tokens that actually followed, to calibrate the auto budget.
@@ -396,13 +398,13 @@ class SpeculativeSession:
         tree is scored as soon as the output leaves it (usually the next step), or reaches its leaves.
         """
         while self._shadow:
-            start, tree, predicted = self._shadow[0]
+            start, tree, predicted, accepted = self._shadow[0]
             continuation = self.generated[start:]
             depth = _matched_depth(tree, continuation, self.speech.offset)
             if depth == len(continuation) and depth < tree.max_depth and not self.finished:
                 return
             self._shadow.popleft()
-            self.budget.observe(predicted, depth)
+            self.budget.observe(predicted, max(depth, accepted))
 
 
 _CURVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its measured CostCurve
