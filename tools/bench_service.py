@@ -85,15 +85,24 @@ def client_process(mode, url, store_name, store_dir, requests, seconds, barrier,
     barrier.wait()
     latencies, i = [], 0
     clock = time.perf_counter
+    cpu = os.times()
     end = clock() + seconds
     while (start := clock()) < end:
         call(requests[i % len(requests)])
         latencies.append(clock() - start)
         i += 1
-    results.put(np.array(latencies))
+    after = os.times()
+    results.put((np.array(latencies), after.user - cpu.user, after.system - cpu.system))
 
 
-def run_cell(mode, clients, requests_per_client, url, store_name, store_dir, seconds) -> dict:
+def process_cpu(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def run_cell(mode, clients, requests_per_client, url, store_name, store_dir, seconds, server_pid) -> dict:
     ctx = mp.get_context("fork")  # the parent has loaded everything already; no threads are running
     barrier, results = ctx.Barrier(clients + 1), ctx.Queue()
     procs = [ctx.Process(target=client_process, args=(mode, url, store_name, store_dir, requests_per_client[k],
@@ -101,15 +110,40 @@ def run_cell(mode, clients, requests_per_client, url, store_name, store_dir, sec
     for p in procs:
         p.start()
     barrier.wait()
-    started = time.perf_counter()
-    latencies = np.concatenate([results.get(timeout=seconds + 120) for _ in procs])
-    elapsed = time.perf_counter() - started
+    started, server_before, app_before = time.perf_counter(), process_cpu(server_pid), app_seconds(url)
+    answers = [results.get(timeout=seconds + 120) for _ in procs]
+    elapsed, server_after, app_after = time.perf_counter() - started, process_cpu(server_pid), app_seconds(url)
     for p in procs:
         p.join()
-    batch = len(requests_per_client[0][0])
-    return {"requests_per_s": len(latencies) / max(elapsed, seconds), "contexts_per_s": batch * len(latencies) / max(elapsed, seconds),
+    latencies = np.concatenate([a[0] for a in answers])
+    n, batch = len(latencies), len(requests_per_client[0][0])
+    per_request = lambda seconds_: seconds_ / n * 1e6  # noqa: E731
+    return {"requests_per_s": n / max(elapsed, seconds), "contexts_per_s": batch * n / max(elapsed, seconds),
             "p50_ms": float(np.percentile(latencies, 50)) * 1e3, "p99_ms": float(np.percentile(latencies, 99)) * 1e3,
-            "min_ms": float(latencies.min()) * 1e3, "max_ms": float(latencies.max()) * 1e3, "n": len(latencies)}
+            "min_ms": float(latencies.min()) * 1e3, "max_ms": float(latencies.max()) * 1e3, "n": n,
+            "client_user_us": per_request(sum(a[1] for a in answers)),
+            "client_system_us": per_request(sum(a[2] for a in answers)),
+            "server_user_us": per_request(server_after[0] - server_before[0]) if mode != "inproc" else 0.0,
+            "server_system_us": per_request(server_after[1] - server_before[1]) if mode != "inproc" else 0.0,
+            "server_app_us": (app_after[0] - app_before[0]) / max(app_after[1] - app_before[1], 1) * 1e6}
+
+
+def app_seconds(url: str) -> tuple[float, float]:
+    """(sum, count) of the service's own propose handling time (its latency histogram: body read to
+    response handed to uvicorn), from /metrics."""
+    import http.client
+
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    values = {}
+    for line in text.splitlines():
+        for key in ("sum", "count"):
+            if line.startswith(f'echospec_request_seconds_{key}{{endpoint="propose"}}'):
+                values[key] = float(line.split()[-1])
+    return values.get("sum", 0.0), values.get("count", 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -195,7 +229,7 @@ def make_requests(corpus: list[dict], n: int, batch: int, seed: int) -> list[lis
               help="A datastore (default: build one from a synthetic speech-like corpus).")
 @click.option("--corpus", type=click.Path(exists=True, dir_okay=False),
               help="JSONL the contexts are cut from (default: the synthetic corpus).")
-@click.option("--tokens", default=500_000, show_default=True, help="Size of the synthetic corpus.")
+@click.option("--tokens", default=1_000_000, show_default=True, help="Size of the synthetic corpus.")
 @click.option("--clients", "concurrency", default="1,8,32", show_default=True)
 @click.option("--batch", "batches", default="1,8", show_default=True, help="Contexts per request.")
 @click.option("--modes", default=",".join(MODES), show_default=True)
@@ -206,15 +240,14 @@ def make_requests(corpus: list[dict], n: int, batch: int, seed: int) -> list[lis
 def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds, profile, out) -> None:
     """Requests/s and p50/p99 propose latency, in-process vs over loopback HTTP."""
     from ..datastore import build
-    from ..datastore.synthetic import speech_like_corpus, write_jsonl
+    from .synth_corpus import SynthConfig, generate, write_jsonl
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-service-"))
     try:
         if store_dir is None or corpus is None:
-            utterances = speech_like_corpus(tokens, vocab_size=4096, n_speakers=8, seed=0)
-            write_jsonl(utterances, tmp / "corpus.jsonl")
+            write_jsonl(generate(SynthConfig(n_tokens=tokens, n_speakers=8, seed=0)), tmp / "corpus.jsonl")
             corpus = corpus or tmp / "corpus.jsonl"
             if store_dir is None:
                 store_dir = tmp / "store"
@@ -224,7 +257,7 @@ def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds
         service = start_service(Path(store_dir), "bench", port)
         url = f"http://127.0.0.1:{port}"
         try:
-            report = run(url, str(store_dir), utterances, concurrency, batches, modes, rounds, seconds)
+            report = run(url, service.pid, str(store_dir), utterances, concurrency, batches, modes, rounds, seconds)
             if profile and shutil.which("py-spy"):
                 report["profile"] = profile_under_load(service.pid, url, str(store_dir), utterances, seconds, out)
         finally:
@@ -238,7 +271,7 @@ def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds
     print_report(report)
 
 
-def run(url, store_dir, utterances, concurrency, batches, modes, rounds, seconds) -> dict:
+def run(url, server_pid, store_dir, utterances, concurrency, batches, modes, rounds, seconds) -> dict:
     concurrency = [int(c) for c in concurrency.split(",")]
     batches = [int(b) for b in batches.split(",")]
     modes = [m for m in modes.split(",") if m]
@@ -251,7 +284,7 @@ def run(url, store_dir, utterances, concurrency, batches, modes, rounds, seconds
             for r in range(rounds):
                 order = cell_modes[r % len(cell_modes):] + cell_modes[:r % len(cell_modes)]  # A B C D, B C D A, ..
                 for mode in order:
-                    runs[mode].append(run_cell(mode, clients, requests, url, "bench", store_dir, seconds))
+                    runs[mode].append(run_cell(mode, clients, requests, url, "bench", store_dir, seconds, server_pid))
                     print(f"batch {batch} clients {clients:2d} {mode:7s} round {r}: "
                           f"{runs[mode][-1]['requests_per_s']:8.0f} req/s  p50 {runs[mode][-1]['p50_ms']:.3f} ms  "
                           f"p99 {runs[mode][-1]['p99_ms']:.3f} ms", file=sys.stderr)
@@ -265,6 +298,8 @@ def summarize(results: list[dict]) -> dict:
     for key in ("requests_per_s", "contexts_per_s", "p50_ms", "p99_ms"):
         values = [r[key] for r in results]
         out[key] = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
+    for key in ("client_user_us", "client_system_us", "server_user_us", "server_system_us", "server_app_us"):
+        out[key] = float(np.median([r[key] for r in results]))
     out["min_ms"] = min(r["min_ms"] for r in results)
     out["max_ms"] = max(r["max_ms"] for r in results)
     return out
@@ -274,7 +309,7 @@ def profile_under_load(pid, url, store_dir, utterances, seconds, out) -> dict:
     """8 clients, single binary proposals, while py-spy samples the service."""
     requests = [make_requests(utterances, 200, 1, seed=77 + k) for k in range(8)]
     ctx = mp.get_context("fork")
-    load = ctx.Process(target=run_cell, args=("binary", 8, requests, url, "bench", store_dir, seconds + 6))
+    load = ctx.Process(target=run_cell, args=("binary", 8, requests, url, "bench", store_dir, seconds + 6, pid))
     load.start()
     time.sleep(3)  # clients warmed up and sending
     try:
@@ -284,11 +319,14 @@ def profile_under_load(pid, url, store_dir, utterances, seconds, out) -> dict:
 
 
 def print_report(report: dict) -> None:
-    print(f"{'cell':34s} {'req/s':>9s} {'ctx/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'p99 min..max':>14s}")
+    print(f"{'cell':30s} {'req/s':>7s} {'ctx/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'p99 min..max':>13s}"
+          f"   us/request: client CPU user+sys, service CPU user+sys, service app time")
     for name, cell in report["cells"].items():
-        print(f"{name:34s} {cell['requests_per_s']['median']:9.0f} {cell['contexts_per_s']['median']:9.0f} "
-              f"{cell['p50_ms']['median']:8.3f} {cell['p99_ms']['median']:8.3f} "
-              f"{cell['p99_ms']['min']:6.2f}..{cell['p99_ms']['max']:<6.2f}")
+        print(f"{name:30s} {cell['requests_per_s']['median']:7.0f} {cell['contexts_per_s']['median']:7.0f} "
+              f"{cell['p50_ms']['median']:7.3f} {cell['p99_ms']['median']:7.3f} "
+              f"{cell['p99_ms']['min']:6.2f}..{cell['p99_ms']['max']:<6.2f}"
+              f"   {cell['client_user_us']:5.0f}+{cell['client_system_us']:<5.0f} "
+              f"{cell['server_user_us']:5.0f}+{cell['server_system_us']:<5.0f} {cell['server_app_us']:5.0f}")
     if "profile" in report:
         print("\nwhere the service's time goes (py-spy, 8 clients, single binary proposals):")
         for name, share in report["profile"]["share"].items():
