@@ -106,7 +106,11 @@ class Snapshot:
 
     @classmethod
     def open(cls, path: Path, retriever_options: dict) -> "Snapshot":
-        stamp = catalog_stamp(path)  # taken first: a write racing with this open shows up as a change later
+        try:
+            stamp = catalog_stamp(path)  # taken first: a write racing with this open shows up as a change later
+        except FileNotFoundError:
+            open_datastore(path)  # raises DatastoreError with the reason (no directory, interrupted build)
+            raise
         ds = open_datastore(path)
         # Map every speaker store now: an enrollment deletes a replaced store's directory once its
         # catalog commit is done, and this snapshot may still answer for that speaker until the swap.

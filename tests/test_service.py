@@ -384,3 +384,16 @@ def test_writes_by_another_process_are_picked_up(server, store, corpus, tmp_path
         time.sleep(0.1)
     context = np.array(corpus[2]["tokens"][:30])
     assert remote.propose(context, speaker="zed").to_dict() == Retriever(store).propose(context, "zed").to_dict()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["/nonexistent/store"], "no such datastore directory"),
+    (["bad/name=/tmp"], "store name 'bad/name' must match"),
+])
+def test_serve_refuses_bad_arguments_clearly(args, message):
+    import subprocess
+
+    from service_testing import ECHOSPEC
+
+    done = subprocess.run([ECHOSPEC, "serve", *args, "--port", "1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
