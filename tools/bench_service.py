@@ -207,6 +207,44 @@ def profile_service(pid: int, seconds: float, out: Path) -> dict:
 # ---------------------------------------------------------------------------------------------------
 
 
+def codec_costs(store_dir: str, utterances: list[dict], lengths=(100, 500, 2000), rounds: int = 5) -> dict:
+    """Microseconds per single propose spent encoding and decoding, both ends, JSON vs binary: the part
+    of the payload choice that the network does not blur. Alternates A B per round; medians."""
+    import timeit
+
+    from ..retriever import CandidateTree, Retriever
+    from ..retriever.service import ProposeRequest
+    from ..retriever.wire import decode_contexts, decode_trees, encode_contexts, encode_trees
+
+    retriever = Retriever(store_dir)
+    stream = np.concatenate([np.array(u["tokens"], np.int64) for u in utterances[:2000]])
+    out = {}
+    for n in lengths:
+        context = stream[:n]
+        tree = retriever.propose(context)
+
+        def binary():
+            received = decode_contexts(encode_contexts([context]), 1)  # client -> service
+            return decode_trees(encode_trees([tree] * len(received)))  # service -> client
+
+        def as_json():
+            request = ProposeRequest.model_validate_json(json.dumps({"context": context.tolist()}))
+            np.array(request.context, np.int64)
+            answer = json.dumps({"tree": tree.to_dict()}, separators=(",", ":"))
+            return CandidateTree.from_dict(json.loads(answer)["tree"])
+
+        runs = {"binary": [], "json": []}
+        for _ in range(rounds):
+            for name, fn in (("binary", binary), ("json", as_json)):
+                number = 200
+                runs[name].append(min(timeit.repeat(fn, number=number, repeat=3)) / number * 1e6)
+        out[f"context{n}"] = {name: {"median_us": float(np.median(v)), "min_us": float(min(v)),
+                                     "max_us": float(max(v))} for name, v in runs.items()}
+        out[f"context{n}"]["json_over_binary"] = out[f"context{n}"]["json"]["median_us"] / \
+            out[f"context{n}"]["binary"]["median_us"]
+    return out
+
+
 def make_requests(corpus: list[dict], n: int, batch: int, seed: int) -> list[list[tuple[np.ndarray, str]]]:
     """`n` requests of `batch` (context, speaker) pairs cut from corpus utterances (one speaker a request)."""
     rng = np.random.default_rng(seed)
@@ -258,6 +296,7 @@ def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds
         url = f"http://127.0.0.1:{port}"
         try:
             report = run(url, service.pid, str(store_dir), utterances, concurrency, batches, modes, rounds, seconds)
+            report["codec"] = codec_costs(str(store_dir), utterances)
             if profile and shutil.which("py-spy"):
                 report["profile"] = profile_under_load(service.pid, url, str(store_dir), utterances, seconds, out)
         finally:
@@ -327,6 +366,10 @@ def print_report(report: dict) -> None:
               f"{cell['p99_ms']['min']:6.2f}..{cell['p99_ms']['max']:<6.2f}"
               f"   {cell['client_user_us']:5.0f}+{cell['client_system_us']:<5.0f} "
               f"{cell['server_user_us']:5.0f}+{cell['server_system_us']:<5.0f} {cell['server_app_us']:5.0f}")
+    print("\nencode + decode, both ends, per single propose (us, median; no network):")
+    for name, cell in report["codec"].items():
+        print(f"  {name:12s} binary {cell['binary']['median_us']:7.1f}   json {cell['json']['median_us']:7.1f}"
+              f"   json/binary {cell['json_over_binary']:.1f}x")
     if "profile" in report:
         print("\nwhere the service's time goes (py-spy, 8 clients, single binary proposals):")
         for name, share in report["profile"]["share"].items():
