@@ -60,10 +60,11 @@ def read_corpus(paths: str | Path | Sequence[str | Path], vocab: Vocabulary) -> 
 
 def _read_jsonl(path: Path, vocab: Vocabulary) -> Iterator[Utterance]:
     with open(path, "rb") as f:
+        name = str(path)
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
+            where = f"{name}:{number}"
             row, raw = _parse_line(line, where)
             if raw is None:
                 if "tokens" in row:
@@ -175,22 +176,26 @@ def to_local_ids(raw, where: str, vocab: Vocabulary) -> np.ndarray:
     if arr.dtype.kind not in "iu" and arr.size:
         raise CorpusError(f"{where}: tokens must be integers, got {arr.dtype} values")
     arr = arr.astype(np.int64, copy=False)
-    if arr.size and arr.min() < 0:
-        raise CorpusError(f"{where}: negative token id {int(arr.min())}")
+    if not arr.size:
+        return arr
+    lowest, highest = int(arr.min()), int(arr.max())
+    if lowest < 0:
+        raise CorpusError(f"{where}: negative token id {lowest}")
     stop = np.isin(arr, np.asarray(vocab.stop_ids, np.int64)) if vocab.stop_ids else None
-    local = arr - vocab.speech_offset
-    speech = local if stop is None else local[~stop]
-    if speech.size:
-        lo, hi = int(speech.min()), int(speech.max())
-        if lo < 0:
-            raise CorpusError(f"{where}: token id {lo + vocab.speech_offset} is below the speech range "
-                              f"(speech_offset {vocab.speech_offset}) and is not a stop id")
-        if vocab.size is not None and hi >= vocab.size:
-            raise CorpusError(f"{where}: token id {hi + vocab.speech_offset} is outside the speech range "
-                              f"{vocab.speech_offset}..{vocab.speech_offset + vocab.size - 1} and is not a stop id")
     if stop is not None and stop.any():
-        local = np.where(stop, -1, local)
-    return local
+        speech = arr[~stop]
+        lowest, highest = (int(speech.min()), int(speech.max())) if speech.size else (vocab.speech_offset,) * 2
+    else:
+        stop = None
+    offset = vocab.speech_offset
+    if lowest < offset:
+        raise CorpusError(f"{where}: token id {lowest} is below the speech range "
+                          f"(speech_offset {offset}) and is not a stop id")
+    if vocab.size is not None and highest >= offset + vocab.size:
+        raise CorpusError(f"{where}: token id {highest} is outside the speech range "
+                          f"{offset}..{offset + vocab.size - 1} and is not a stop id")
+    local = arr - offset if offset else arr
+    return local if stop is None else np.where(stop, -1, local)
 
 
 def split_segments(tokens: np.ndarray) -> list[np.ndarray]:

@@ -166,7 +166,8 @@ def write_faiss_store(directory: Path, general_dir: Path, vocab_size: int, embed
     else:
         table = reduce(load_embeddings(embeddings, vocab_size, speech_offset), dim)
         source = str(embeddings)
-    positions = np.sort(np.asarray(general.sa)).astype(np.int64)
+    sentinel = general.sentinel  # positions with a continuation, in stream order
+    positions = np.flatnonzero((stream[:-1] != sentinel) & (stream[1:] != sentinel))
     if len(positions) > max_vectors:  # evenly strided: deterministic and spread over the corpus
         positions = positions[np.linspace(0, len(positions) - 1, max_vectors).astype(np.int64)]
     vectors = context_vectors(stream, positions, table, general.sentinel, window)
