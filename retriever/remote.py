@@ -179,7 +179,8 @@ class RemoteRetriever:
         if breaker:
             self.breaker.check()
         try:
-            status, data = self._exchange(method, path, body, content_type, self.timeout if timeout is None else timeout)
+            timeout = self.timeout if timeout is None else timeout
+            status, data = self._exchange(method, path, body, content_type, timeout)
         except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, garbled
             if breaker:
                 self.breaker.failure()

@@ -18,8 +18,9 @@ reference assignment) and the request acknowledged. Proposals keep using the old
 Writes made by other processes (`echospec enroll`, another service on the same directory) are picked up
 the same way within `reload_interval` seconds: the catalog's mtime and size are polled.
 
-The propose route bypasses FastAPI's routing and dependency machinery (it is the hot path: about
-40 us a request, a third of the service's own time); the rest of the API is an ordinary FastAPI app.
+The propose route bypasses FastAPI's routing and dependency machinery (it is the hot path; on this
+project's 2-core machine a FastAPI route answered about 30% fewer requests/s than a plain ASGI callable
+on the same uvicorn); the rest of the API is an ordinary FastAPI app.
 Body-size limits, write authentication and metrics wrap both, in `Service.__call__`.
 """
 
@@ -53,7 +54,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..datastore import DatastoreError, enroll, open_datastore
 from ..datastore.catalog import CATALOG
 from . import Retriever
-from .tree import CandidateTree
 from .wire import BINARY, WireError, decode_contexts, encode_trees
 
 log = logging.getLogger("echospec.service")
@@ -274,7 +274,7 @@ class Service:
         self.api_key = api_key.encode() if api_key else None
         self.metrics = Metrics()
         self.stores = {name: StoreHandle(name, path, dict(retriever_options or {}))
-                       for name, path in zip(stores, paths)}
+                       for name, path in zip(stores, paths, strict=True)}
         for name, handle in self.stores.items():
             self.metrics.set_store(name, handle.snapshot.info)
         self.api = self._build_api()
@@ -341,8 +341,9 @@ class Service:
         elif content_type in (b"application/json", b""):
             contexts, options, single = self._json_propose(body)
         else:
+            given = content_type.decode(errors="replace")
             raise ServiceError(415, "unsupported_media_type",
-                               f"propose takes application/json or {BINARY}, not {content_type.decode(errors='replace')!r}")
+                               f"propose takes application/json or {BINARY}, not {given!r}")
         speaker, max_nodes, max_depth = self._check_options(snapshot, **options)
         trees = self._propose_all(snapshot, contexts, speaker, max_nodes, max_depth)
         self.metrics.child(self.metrics.contexts, store).inc(len(trees))

@@ -12,7 +12,7 @@ import pytest
 from service_testing import API_KEY, VOCAB, Server, copy_store, make_store, post_json, request
 
 from echospec.retriever import Retriever
-from echospec.retriever.remote import RemoteRetriever, RetrieverUnavailable, ServiceRequestError
+from echospec.retriever.remote import RemoteRetriever, RetrieverUnavailable
 from echospec.retriever.wire import BINARY, decode_trees, encode_contexts
 
 
@@ -95,7 +95,8 @@ def test_remote_retriever_equals_in_process(server, store, corpus, payload):
         assert set(remote.speakers) >= set(local.speakers)
         for context, speaker in contexts_of(corpus, 40, seed=2):
             for options in ({}, {"max_nodes": 4, "max_depth": 2}, {"max_nodes": 0}):
-                got, want = remote.propose(context, speaker=speaker, **options), local.propose(context, speaker, **options)
+                got = remote.propose(context, speaker=speaker, **options)
+                want = local.propose(context, speaker, **options)
                 assert got.to_dict() == want.to_dict()
                 assert [getattr(got, f).dtype for f in ("tokens", "parents", "depths", "counts", "probs", "sources")] \
                     == [getattr(want, f).dtype for f in ("tokens", "parents", "depths", "counts", "probs", "sources")]

@@ -97,7 +97,7 @@ def test_kill_during_enrollment_loses_nothing_acknowledged(tmp_path, round_, kil
         for u in corpus[:20]:
             context = np.array(u["tokens"][:15])
             got, want = remote.propose(context, speaker="ann").to_dict(), local.propose(context, "ann").to_dict()
-            assert got == want, f"context {context.tolist()}: service {got}, in-process {want}, store {store_listing(store)}"
+            assert got == want, f"{context.tolist()}: service {got}, in-process {want}; files {store_listing(store)}"
         # and the service still takes writes
         writer = RemoteRetriever(server.url, store="voices", api_key=API_KEY)
         assert writer.enroll("ann", batch(corpus, round_, 999))["utterances"] == n_utts + UTTERANCES_PER_ENROLL

@@ -169,7 +169,7 @@ def start_service(store_dir: Path, store_name: str, port: int) -> subprocess.Pop
             return proc
         except RetrieverUnavailable:
             if proc.poll() is not None:
-                raise SystemExit(f"the service exited with {proc.returncode}")
+                raise SystemExit(f"the service exited with {proc.returncode}") from None
             time.sleep(0.1)
     proc.kill()
     raise SystemExit("the service did not come up within 120 s")
@@ -223,11 +223,11 @@ def codec_costs(store_dir: str, utterances: list[dict], lengths=(100, 500, 2000)
         context = stream[:n]
         tree = retriever.propose(context)
 
-        def binary():
+        def binary(context=context, tree=tree):
             received = decode_contexts(encode_contexts([context]), 1)  # client -> service
             return decode_trees(encode_trees([tree] * len(received)))  # service -> client
 
-        def as_json():
+        def as_json(context=context, tree=tree):
             request = ProposeRequest.model_validate_json(json.dumps({"context": context.tolist()}))
             np.array(request.context, np.int64)
             answer = json.dumps({"tree": tree.to_dict()}, separators=(",", ":"))
