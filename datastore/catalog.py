@@ -104,10 +104,11 @@ def record_files(db: sqlite_utils.Database, root: Path, store: str, directory: P
     return sum(r["bytes"] for r in rows)
 
 
-def check_files(db: sqlite_utils.Database, root: Path, verify: bool, store: str | None = None) -> None:
-    """Sizes always; sha256 too when `verify`. Raises DatastoreError naming the first bad file."""
-    where, args = ("store = ?", [store]) if store else (None, None)
-    for row in db["files"].rows_where(where, args):
+def check_files(db: sqlite_utils.Database, root: Path, verify: bool) -> list[dict]:
+    """Sizes always; sha256 too when `verify`. Raises DatastoreError naming the first bad file;
+    returns the catalog's file rows."""
+    rows = list(db["files"].rows)
+    for row in rows:
         path = root / row["path"]
         if not path.is_file():
             raise DatastoreError(f"{path}: missing (the catalog lists it)")
@@ -116,3 +117,4 @@ def check_files(db: sqlite_utils.Database, root: Path, verify: bool, store: str 
             raise DatastoreError(f"{path}: {size} bytes, the catalog says {row['bytes']} (truncated or changed)")
         if verify and sha256(path) != row["sha256"]:
             raise DatastoreError(f"{path}: checksum mismatch (the file was changed or corrupted)")
+    return rows

@@ -176,7 +176,7 @@ class Datastore:
         self.root = root
         db = catalog.open_catalog(root)
         try:
-            catalog.check_files(db, root, verify)
+            self._files = catalog.check_files(db, root, verify)
             self.meta = catalog.read_meta(db)
             self._stores = {row["name"]: row for row in db["stores"].rows}
             self._speakers = {row["name"]: row for row in db["speakers"].rows}
@@ -262,6 +262,7 @@ class Datastore:
             "general_bytes_per_token": round(general["bytes"] / max(general["tokens"], 1), 3),
             "faiss_bytes": sum(r["bytes"] for r in self._stores.values() if r["kind"] == "faiss"),
             "stores": stores,
+            "files": self._files,
             "build": meta.get("build", {}),
             "build_seconds": meta.get("build_seconds"),
             "created_at": meta["created_at"], "updated_at": meta["updated_at"],

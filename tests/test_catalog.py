@@ -40,6 +40,7 @@ def test_catalog_records_everything(store):
     assert [s["name"] for s in info["stores"]] == ["general", "speaker:s0", "speaker:s1", "speaker:s2"]
     assert info["build"]["per_speaker"] is True and info["build_seconds"] >= 0
     assert info["exact_bytes"] == sum(f.stat().st_size for f in store.rglob("*.npy"))
+    assert {f["path"] for f in info["files"]} == {p.relative_to(store).as_posix() for p in store.rglob("*.npy")}
     db = sqlite3.connect(store / "catalog.sqlite")
     files = db.execute("select path, bytes, sha256 from files").fetchall()
     assert len(files) == 12 and all(len(sha) == 64 for _, _, sha in files)

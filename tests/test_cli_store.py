@@ -49,6 +49,15 @@ def test_build_options_and_progress(corpus, tmp_path):
     assert info["speakers"] == {} and info["faiss_bytes"] == 0 and info["n_max"] == 4
 
 
+def test_build_faiss_options(corpus, tmp_path):
+    result = run("build", corpus, tmp_path / "s", "--faiss-dim", 8, "--faiss-max-vectors", 500, "--quiet",
+                 "--stop-id", 30, "--vocab-size", 30)
+    assert result.exit_code == 0, result.output
+    faiss_row = json.loads(run("info", tmp_path / "s", "--json").output)["stores"][-1]
+    assert faiss_row["vectors"] == 500 and faiss_row["params"]["dim"] == 8
+    fails_cleanly(run("build", corpus, tmp_path / "t", "--faiss-dim", 0), "Invalid value for '--faiss-dim'", code=2)
+
+
 def test_info_text_json_and_verify(store):
     text = run("info", store)
     assert text.exit_code == 0 and "2400 tokens" in text.output and "speaker:ann" in text.output

@@ -36,6 +36,10 @@ def _fail_cleanly(fn):
 @click.option("--faiss/--no-faiss", default=True, show_default=True, help="Build the FAISS store.")
 @click.option("--embeddings", type=click.Path(path_type=Path),
               help="Token embedding table for the FAISS store (.npy or .safetensors); default: from the corpus.")
+@click.option("--faiss-dim", default=None, type=click.IntRange(1, 256),
+              help="Dimensions per token in FAISS context vectors [16].")
+@click.option("--faiss-max-vectors", default=None, type=click.IntRange(1),
+              help="Most contexts the FAISS store indexes (evenly strided) [200000].")
 @click.option("--speech-offset", default=0, show_default=True, help="Raw id of local speech id 0 (LLaSA: 128264).")
 @click.option("--vocab-size", type=int, help="Number of speech ids (CosyVoice 2: 6561); default: largest id + 1.")
 @click.option("--stop-id", "stop_ids", multiple=True, type=int,
@@ -45,15 +49,17 @@ def _fail_cleanly(fn):
 @click.option("--force", is_flag=True, help="Replace STORE if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_fail_cleanly
-def build(corpus, store, per_speaker, faiss, embeddings, speech_offset, vocab_size, stop_ids, n_min, n_max,
-          force, quiet):
+def build(corpus, store, per_speaker, faiss, embeddings, faiss_dim, faiss_max_vectors, speech_offset, vocab_size,
+          stop_ids, n_min, n_max, force, quiet):
     """Build datastore STORE from CORPUS files (.jsonl, a .jsonl manifest of .npy files, or .npz)."""
     from ..datastore import N_MAX, N_MIN
     started = time.perf_counter()
     ds = build_datastore(list(corpus), store, per_speaker=per_speaker, faiss=faiss, embeddings=embeddings,
                          speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
                          n_min=N_MIN if n_min is None else n_min, n_max=N_MAX if n_max is None else n_max,
-                         force=force, progress=not quiet)
+                         force=force, progress=not quiet,
+                         faiss_options={k: v for k, v in (("dim", faiss_dim), ("max_vectors", faiss_max_vectors))
+                                        if v is not None})
     info = ds.info()
     click.echo(f"built {store}: {info['utterances']} utterances, {info['tokens']} tokens, "
                f"{len(info['speakers'])} speaker stores, {info['general_bytes_per_token']} B/token general"
