@@ -12,7 +12,8 @@ from .session import GenerationStats, SpeculativeSession, check_model
 from .vocab import SpeechVocab, length_limits
 
 __all__ = [
-    "generate", "hf_generate", "HF_CUSTOM_GENERATE_DIR", "GenerationResult", "GenerationStats", "SpeculativeSession", "check_model",
+    "generate", "hf_generate", "HF_CUSTOM_GENERATE_DIR", "GenerationResult", "GenerationStats",
+    "SpeculativeSession", "check_model",
     "Policy", "ExactGreedy", "ExactSampling", "Filtered", "Tolerance", "SimilarityGroups", "VerifiedTree",
     "Sampler", "RAS", "NodeState", "SpeechVocab", "length_limits", "CostCurve", "NodeBudget",
     "DecoderInputError", "UnsupportedModelError",

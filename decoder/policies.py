@@ -132,7 +132,8 @@ class Tolerance(Policy):
 
     exact = False
 
-    def __init__(self, beta: float = 0.1, sampler: Sampler | RAS | None = None, seed: int | torch.Generator | None = None):
+    def __init__(self, beta: float = 0.1, sampler: Sampler | RAS | None = None,
+                 seed: int | torch.Generator | None = None):
         super().__init__(seed)
         if beta < 0:
             raise ValueError(f"Tolerance needs beta >= 0, got {beta}")
@@ -178,7 +179,7 @@ class SimilarityGroups(Policy):
         if not child_tokens or token in child_tokens:
             return _match(child_tokens, token), token
         if self.embed is None:
-            raise ValueError("SimilarityGroups needs embeddings: pass them, or use it through generate/SpeculativeSession")
+            raise ValueError("SimilarityGroups needs embeddings: pass them, or use it via generate/SpeculativeSession")
         vectors = torch.nn.functional.normalize(self.embed(torch.tensor(child_tokens + [token])).float(), dim=-1)
         similarity = vectors[:-1] @ vectors[-1]
         best = int(torch.argmax(similarity))

@@ -13,7 +13,6 @@ import warnings
 import weakref
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -51,7 +50,7 @@ def check_model(model) -> None:
         )
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     if any(t != "full_attention" for t in layer_types):
-        raise UnsupportedModelError(f"only full-attention layers are supported, the model has {sorted(set(layer_types))}")
+        raise UnsupportedModelError(f"only full-attention layers are supported, got {sorted(set(layer_types))}")
 
 
 @dataclass
@@ -126,7 +125,8 @@ class SpeculativeSession:
         if max_nodes != "auto" and (not isinstance(max_nodes, int) or max_nodes < 0):
             raise DecoderInputError(f"max_nodes must be a non-negative int or 'auto', got {max_nodes!r}")
         if max_new_tokens < 1 or min_new_tokens < 0:
-            raise DecoderInputError(f"need max_new_tokens >= 1 and min_new_tokens >= 0, got {max_new_tokens}, {min_new_tokens}")
+            raise DecoderInputError(f"need max_new_tokens >= 1 and min_new_tokens >= 0, "
+                                    f"got {max_new_tokens} and {min_new_tokens}")
         self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
         self.max_nodes, self.max_depth, self.retriever_timeout = max_nodes, max_depth, retriever_timeout
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 62
@@ -187,8 +187,10 @@ class SpeculativeSession:
         if length == 0:
             raise DecoderInputError("the prompt is empty")
         if length >= self.max_positions:
-            raise DecoderInputError(f"the prompt has {length} tokens; the model takes at most {self.max_positions} positions")
-        self.context = list(self.prompt_speech if self.prompt_speech is not None else self.speech.to_local(self.prompt_ids))
+            raise DecoderInputError(f"the prompt has {length} tokens; the model takes at most "
+                                    f"{self.max_positions} positions")
+        prompt_speech = self.prompt_speech if self.prompt_speech is not None else self.speech.to_local(self.prompt_ids)
+        self.context = list(prompt_speech)
         start = time.perf_counter()
         out = self.model(**inputs, cache=self.cache, use_cache=True, logits_to_keep=1)
         self.stats.forward_seconds += time.perf_counter() - start

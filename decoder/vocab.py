@@ -21,7 +21,7 @@ class SpeechVocab:
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.size <= 0:
-            raise DecoderInputError(f"SpeechVocab needs offset >= 0 and size > 0, got offset={self.offset} size={self.size}")
+            raise DecoderInputError(f"SpeechVocab needs offset >= 0 and size > 0, got {self.offset} and {self.size}")
         object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
 
     def is_speech(self, model_id: int) -> bool:

@@ -94,4 +94,5 @@ def chi_square_p(observed: np.ndarray, expected: np.ndarray, min_expected: float
         obs, exp = obs[:-1], exp[:-1]
     stat = float(((obs - exp) ** 2 / exp).sum())
     dof = len(obs) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    half = lambda x: torch.tensor(x / 2, dtype=torch.float64)  # noqa: E731
+    return float(torch.special.gammaincc(half(dof), half(stat)))

@@ -3,12 +3,11 @@
 import json
 import warnings
 
-import numpy as np
 import pytest
 import torch
 from decoder_testing import PromptLookup, Raising, Scripted, Slow, Wrong, tiny_model
 
-from echospec.decoder import (HF_CUSTOM_GENERATE_DIR, CostCurve, DecoderInputError, ExactGreedy, NodeBudget,
+from echospec.decoder import (HF_CUSTOM_GENERATE_DIR, CostCurve, DecoderInputError, NodeBudget,
                               SpeechVocab, UnsupportedModelError, generate, hf_generate)
 from echospec.decoder.cost import prune_order
 from echospec.retriever import CandidateTree

@@ -1,6 +1,5 @@
 """ExactGreedy is token for token Hugging Face greedy decoding; the compacted cache is the full forward's."""
 
-import numpy as np
 import pytest
 import torch
 from decoder_testing import PromptLookup, Scripted, tiny_model

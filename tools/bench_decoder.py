@@ -62,10 +62,10 @@ def small_llama(vocab: int, hidden: int, layers: int, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
-                         num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 128, 1),
-                         max_position_embeddings=4096, attn_implementation="sdpa", eos_token_id=vocab - 1,
-                         bos_token_id=vocab - 2)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                         num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1),
+                         num_key_value_heads=max(hidden // 128, 1), max_position_embeddings=4096,
+                         attn_implementation="sdpa", eos_token_id=vocab - 1, bos_token_id=vocab - 2)
     return LlamaForCausalLM(config).eval()
 
 
