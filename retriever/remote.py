@@ -8,10 +8,10 @@ A decoder uses either unchanged. When the service is slow or down, `propose` rai
 consecutive failure, up to `max_backoff`), immediately without touching the network: the decoder
 steps autoregressively meanwhile and proposals resume on the first successful trial call.
 
-HTTP/1.1 on a plain socket (each request in one send, answers parsed by the standard library's
-http.client), one kept-alive connection per thread: on loopback a request costs a fraction of what
-it costs through httpx (see tools/bench_service.py), and connections are never shared between
-threads, so any number of threads may call one RemoteRetriever.
+HTTP/1.1 on a plain socket (each request in one send, answers parsed by httptools), one kept-alive
+connection per thread: on loopback a request costs the client a fraction of the CPU it costs through
+httpx (see tools/bench_service.py), and connections are never shared between threads, so any number
+of threads may call one RemoteRetriever.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from typing import Sequence
 from urllib.parse import quote, urlencode, urlsplit
 
+import httptools
 import numpy as np
 
 from .tree import CandidateTree
@@ -242,7 +243,8 @@ class RemoteRetriever:
 class _Connection:
     """One kept-alive HTTP/1.1 connection. A request leaves in one send on a TCP_NODELAY socket
     (http.client sends headers and body separately, and Nagle's algorithm may hold the second
-    segment back until the first is acknowledged); the answer is parsed by http.client."""
+    segment back until the first is acknowledged); the answer is parsed by httptools, uvicorn's C
+    parser (content-length or chunked), at a fraction of http.client's header-parsing cost."""
 
     def __init__(self, host: str, port: int, tls: ssl.SSLContext | None):
         self.host, self.port, self.tls = host, port, tls
@@ -263,17 +265,43 @@ class _Connection:
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self.sock.sendall(f"{method} {path} HTTP/1.1\r\n{self.host_header}Content-Length: {len(body)}\r\n{head}\r\n"
                           .encode("latin-1") + body)
-        response = http.client.HTTPResponse(self.sock, method=method)
-        response.begin()
-        data = response.read()
-        if response.will_close:
+        answer = _Answer()
+        parser = httptools.HttpResponseParser(answer)
+        received = False
+        while not answer.complete:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise (http.client.IncompleteRead(b"") if received else
+                       http.client.RemoteDisconnected("the service closed the connection without an answer"))
+            received = True
+            try:
+                parser.feed_data(data)
+            except httptools.HttpParserError as e:
+                raise http.client.HTTPException(f"malformed answer: {e}") from None
+        if not parser.should_keep_alive():
             self.close()
-        return response.status, data
+        return parser.get_status_code(), b"".join(answer.body)
 
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+class _Answer:
+    """httptools callbacks collecting one response's body."""
+
+    __slots__ = ("body", "complete")
+
+    def __init__(self):
+        self.body: list[bytes] = []
+        self.complete = False
+
+    def on_body(self, chunk: bytes) -> None:
+        self.body.append(chunk)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
 
 
 def _error(data: bytes) -> dict:
