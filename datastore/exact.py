@@ -210,10 +210,9 @@ class ExactStore:
 
     def __init__(self, directory: str | Path, vocab_size: int):
         self.directory = Path(directory)
-        try:
-            self.tokens = np.load(self.directory / "tokens.npy", mmap_mode="r", allow_pickle=False)
-            self.sa = np.load(self.directory / "sa.npy", mmap_mode="r", allow_pickle=False)
-            self.first = np.load(self.directory / "first.npy", mmap_mode="r", allow_pickle=False)
+        try:  # plain ndarray views of the maps: numba dispatches them ~3 us faster than np.memmap
+            self.tokens, self.sa, self.first = (
+                np.asarray(np.load(self.directory / name, mmap_mode="r", allow_pickle=False)) for name in FILES)
         except (OSError, ValueError) as e:
             raise DatastoreError(f"{self.directory}: cannot map exact store: {e}") from None
         if self.first.shape != (vocab_size + 1,) or self.tokens.dtype != stream_dtype(vocab_size):
