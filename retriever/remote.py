@@ -137,8 +137,7 @@ class RemoteRetriever:
                    if v is not None}
         if self.payload == "binary":
             query = f"?{urlencode(options)}" if options else ""
-            _, data = self._call("POST", f"{self._prefix}/propose{query}", encode_contexts(contexts),
-                                      BINARY, timeout)
+            _, data = self._call("POST", f"{self._prefix}/propose{query}", encode_contexts(contexts), BINARY, timeout)
             try:
                 return decode_trees(data)
             except WireError as e:
