@@ -102,11 +102,19 @@ def subtree(tree: CandidateTree, keep) -> CandidateTree:
 
 
 class SpeculativeSession:
-    """One utterance's decoding state. `prefill` once, then `step` until `finished`; or drive the stages.
+    """One utterance's decoding state (batch size 1). `prefill` once, then `step` until `finished`.
 
-    `max_nodes` is a fixed per-step node budget, or "auto" to choose it each step from the model's
-    measured verify-cost curve and the acceptance so far. A retriever that raises or takes longer than
-    `retriever_timeout` seconds makes that step autoregressive.
+        session = SpeculativeSession(model, retriever, ExactGreedy(), SpeechVocab(0, 6561, (6561, 6562, 6563)),
+                                     speech_embedding=speech_table, max_new_tokens=500)
+        session.prefill(inputs_embeds=lm_input)
+        while not session.finished:
+            new_tokens = session.step()      # or: tree = session.propose(); verified = session.verify(tree);
+                                             #     path, bonus = session.accept(verified); ... session.compact(...)
+
+    `max_nodes` is a fixed per-step node budget, or "auto": each step's budget maximises expected tokens
+    per second from the model's verify-cost curve (measured once per model) and the acceptance seen so far
+    (per retriever and policy kind). A retriever that raises or takes longer than `retriever_timeout`
+    seconds makes that step autoregressive. `generated` holds the model ids emitted so far.
     """
 
     def __init__(self, model, retriever=None, policy: Policy | None = None, speech: SpeechVocab | None = None,
@@ -160,7 +168,7 @@ class SpeculativeSession:
                          use_cache=True)
         self.stats.forward_seconds += time.perf_counter() - start
         self.stats.target_forwards += 1
-        return out.logits[0].float()
+        return out.logits[0].float().cpu()  # policies and their seeded CPU generators work on the host
 
     # ---- prefill ------------------------------------------------------------------------------------
 
@@ -198,7 +206,7 @@ class SpeculativeSession:
         if any(type(layer) is not DynamicLayer for layer in self.cache.layers):
             raise UnsupportedModelError("the model's cache has layers other than full-attention DynamicLayer")
         self.cached = length
-        logits = out.logits[0, -1:].float()
+        logits = out.logits[0, -1:].float().cpu()
         _, bonus = self.policy.walk(VerifiedTree(logits, [], [[]], self._state_at))
         emitted = self._emit([bonus])
         if self.max_nodes == "auto" and self.retriever is not None and not self.finished:
