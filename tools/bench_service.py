@@ -8,13 +8,19 @@ that alternate A B C D (rotated every round, after a warm-up of each):
   json         RemoteRetriever, JSON bodies
   httpx        httpx.Client posting the same binary bodies (single contexts only), to justify the client
 Reported per cell: requests/s, contexts/s and p50/p99/min/max latency, as the median over rounds (and the
-min/max of each over rounds). Clients are processes, not threads: threads would measure their own GIL.
-Every process pins its thread pools to one thread; the service is one uvicorn process on one event loop.
+min/max of each over rounds), and where the time goes per request: client CPU and service CPU (user and
+system, from os.times and /proc) and the service's own handling time (its /metrics latency histogram:
+body read to response handed to uvicorn). Clients are processes, not threads: threads would measure
+their own GIL. Every process pins its thread pools to one thread; the service is one uvicorn process.
+--think-ms makes each client pause between answers, as a TTS worker running its model forward does.
 
-With --profile the service is sampled by py-spy while 8 clients send single binary proposals, and the
-samples are grouped into where the service's time goes.
+Also measured: encode + decode cost per propose, JSON vs binary, at 100/500/2000-token contexts (no
+network), and with --profile a py-spy sample of the service under 8 clients, grouped by component
+(py-spy sees Python frames only: time inside uvloop's C code and the kernel is charged to the last
+Python line that ran, mostly uvicorn's transport.write).
 
-    python -m echospec.tools.bench_service --out bench/service           # ~4 minutes
+    python -m echospec.tools.bench_service --out bench/service           # ~5 minutes
+    python -m echospec.tools.bench_service --think-ms 5 --modes inproc,binary --batch 1 --no-profile
     python -m echospec.tools.bench_service --store my_store --rounds 5 --seconds 3 --profile
 """
 
@@ -78,7 +84,7 @@ def make_client(mode: str, url: str, store_name: str, store_dir: str):
     return lambda batch: remote.propose_batch([c for c, _ in batch], speaker=batch[0][1])
 
 
-def client_process(mode, url, store_name, store_dir, requests, seconds, barrier, results) -> None:
+def client_process(mode, url, store_name, store_dir, requests, seconds, think, barrier, results) -> None:
     call = make_client(mode, url, store_name, store_dir)
     for i in range(WARMUP_CALLS):
         call(requests[i % len(requests)])
@@ -91,6 +97,8 @@ def client_process(mode, url, store_name, store_dir, requests, seconds, barrier,
         call(requests[i % len(requests)])
         latencies.append(clock() - start)
         i += 1
+        if think:
+            time.sleep(think)  # a TTS worker's model forward between two proposals
     after = os.times()
     results.put((np.array(latencies), after.user - cpu.user, after.system - cpu.system))
 
@@ -102,11 +110,11 @@ def process_cpu(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
-def run_cell(mode, clients, requests_per_client, url, store_name, store_dir, seconds, server_pid) -> dict:
+def run_cell(mode, clients, requests_per_client, url, store_name, store_dir, seconds, server_pid, think=0.0) -> dict:
     ctx = mp.get_context("fork")  # the parent has loaded everything already; no threads are running
     barrier, results = ctx.Barrier(clients + 1), ctx.Queue()
     procs = [ctx.Process(target=client_process, args=(mode, url, store_name, store_dir, requests_per_client[k],
-                                                      seconds, barrier, results)) for k in range(clients)]
+                                                      seconds, think, barrier, results)) for k in range(clients)]
     for p in procs:
         p.start()
     barrier.wait()
@@ -245,6 +253,10 @@ def codec_costs(store_dir: str, utterances: list[dict], lengths=(100, 500, 2000)
     return out
 
 
+def mean_context_tokens(utterances: list[dict]) -> float:
+    return float(np.mean([len(c) for r in make_requests(utterances, 200, 1, seed=0) for c, _ in r]))
+
+
 def make_requests(corpus: list[dict], n: int, batch: int, seed: int) -> list[list[tuple[np.ndarray, str]]]:
     """`n` requests of `batch` (context, speaker) pairs cut from corpus utterances (one speaker a request)."""
     rng = np.random.default_rng(seed)
@@ -273,9 +285,11 @@ def make_requests(corpus: list[dict], n: int, batch: int, seed: int) -> list[lis
 @click.option("--modes", default=",".join(MODES), show_default=True)
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--seconds", default=2.0, show_default=True, help="Measured seconds per cell and round.")
+@click.option("--think-ms", default=0.0, show_default=True,
+              help="Pause after each answer (a model forward); 0 = closed loop, every client saturating.")
 @click.option("--profile/--no-profile", default=True, show_default=True, help="py-spy breakdown of the service.")
 @click.option("--out", type=click.Path(file_okay=False), default="bench/service", show_default=True)
-def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds, profile, out) -> None:
+def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds, think_ms, profile, out) -> None:
     """Requests/s and p50/p99 propose latency, in-process vs over loopback HTTP."""
     from ..datastore import build
     from .synth_corpus import SynthConfig, generate, write_jsonl
@@ -295,7 +309,8 @@ def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds
         service = start_service(Path(store_dir), "bench", port)
         url = f"http://127.0.0.1:{port}"
         try:
-            report = run(url, service.pid, str(store_dir), utterances, concurrency, batches, modes, rounds, seconds)
+            report = run(url, service.pid, str(store_dir), utterances, concurrency, batches, modes, rounds, seconds,
+                         think_ms / 1e3)
             report["codec"] = codec_costs(str(store_dir), utterances)
             if profile and shutil.which("py-spy"):
                 report["profile"] = profile_under_load(service.pid, url, str(store_dir), utterances, seconds, out)
@@ -305,12 +320,13 @@ def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report["setup"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "threads_per_process": THREADS,
-                       "load_average_at_end": os.getloadavg(), "rounds": rounds, "seconds_per_cell": seconds}
-    (out / "service.json").write_text(json.dumps(report, indent=1))
+                       "load_average_at_end": os.getloadavg(), "rounds": rounds, "seconds_per_cell": seconds,
+                       "think_ms": think_ms, "mean_context_tokens": mean_context_tokens(utterances)}
+    (out / f"service{'_think' if think_ms else ''}.json").write_text(json.dumps(report, indent=1))
     print_report(report)
 
 
-def run(url, server_pid, store_dir, utterances, concurrency, batches, modes, rounds, seconds) -> dict:
+def run(url, server_pid, store_dir, utterances, concurrency, batches, modes, rounds, seconds, think) -> dict:
     concurrency = [int(c) for c in concurrency.split(",")]
     batches = [int(b) for b in batches.split(",")]
     modes = [m for m in modes.split(",") if m]
@@ -323,7 +339,8 @@ def run(url, server_pid, store_dir, utterances, concurrency, batches, modes, rou
             for r in range(rounds):
                 order = cell_modes[r % len(cell_modes):] + cell_modes[:r % len(cell_modes)]  # A B C D, B C D A, ..
                 for mode in order:
-                    runs[mode].append(run_cell(mode, clients, requests, url, "bench", store_dir, seconds, server_pid))
+                    runs[mode].append(run_cell(mode, clients, requests, url, "bench", store_dir, seconds, server_pid,
+                                               think))
                     print(f"batch {batch} clients {clients:2d} {mode:7s} round {r}: "
                           f"{runs[mode][-1]['requests_per_s']:8.0f} req/s  p50 {runs[mode][-1]['p50_ms']:.3f} ms  "
                           f"p99 {runs[mode][-1]['p99_ms']:.3f} ms", file=sys.stderr)
@@ -374,7 +391,9 @@ def print_report(report: dict) -> None:
         print("\nwhere the service's time goes (py-spy, 8 clients, single binary proposals):")
         for name, share in report["profile"]["share"].items():
             print(f"  {share:6.1%}  {name}")
-    print(f"\nload average at the end: {report['setup']['load_average_at_end']}")
+    setup = report["setup"]
+    print(f"\nthink time {setup['think_ms']} ms; mean context {setup['mean_context_tokens']:.0f} tokens; "
+          f"load average at the end: {setup['load_average_at_end']}")
 
 
 if __name__ == "__main__":
