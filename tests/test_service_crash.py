@@ -56,6 +56,8 @@ def enroll_until_killed(server: Server, corpus, round_: int, kill_after: float):
     thread = threading.Thread(target=run)
     thread.start()
     time.sleep(kill_after)
+    while not in_flight:  # land inside a request, not in the microseconds between two
+        time.sleep(0.0005)
     server.kill()
     thread.join(30)
     assert not thread.is_alive()
