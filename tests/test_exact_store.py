@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from echospec.datastore import build, open_datastore
 from echospec.datastore.exact import concat_segments, suffix_array
-from echospec.retriever import Retriever
+from echospec.retriever import CandidateTree, Retriever
 
 
 def brute_force_sa(stream, vocab, depth):
@@ -122,6 +122,7 @@ def test_every_exact_path_followed_the_context_in_the_corpus(case, min_support):
         r = Retriever(ds, prompt_lookup=False, use_faiss=False, min_support=min_support, cap=10_000,
                       max_nodes=64, max_depth=6)
         tree = r.propose(np.array(context), speaker=speaker)
+        CandidateTree.from_dict(tree.to_dict())  # the checked constructor accepts what propose built
     general = segments_of(utterances, vocab)
     own = segments_of([u for s, u in zip(speakers, utterances) if s == speaker], vocab)
     k_general = longest_match(general, context, 4)
