@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 

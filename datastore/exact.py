@@ -19,8 +19,9 @@ deterministic.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from numba import njit
@@ -206,7 +207,7 @@ def save_npy(path: Path, arr: np.ndarray) -> None:
 class ExactStore:
     """A memory-mapped exact store. Opening maps three files: the cost does not grow with the corpus."""
 
-    __slots__ = ("directory", "tokens", "sa", "first", "vocab_size", "sentinel")
+    __slots__ = ("directory", "first", "sa", "sentinel", "tokens", "vocab_size")
 
     def __init__(self, directory: str | Path, vocab_size: int):
         self.directory = Path(directory)
@@ -224,4 +225,4 @@ class ExactStore:
         """The stored segments (used to append to a speaker's store)."""
         stream = np.asarray(self.tokens)
         cuts = np.flatnonzero(stream == self.sentinel)
-        return [stream[a + 1:b].astype(np.int64) for a, b in zip(cuts[:-1], cuts[1:]) if b > a + 1]
+        return [stream[a + 1:b].astype(np.int64) for a, b in itertools.pairwise(cuts) if b > a + 1]

@@ -88,7 +88,7 @@ def _read_safetensors(path: Path) -> np.ndarray:
                           if k != "__metadata__" and len(v["shape"]) == 2 and v["dtype"] in _SAFETENSORS_DTYPES]
             if not candidates:
                 raise DatastoreError(f"{path}: no 2-D float tensor in the file")
-            name, meta = max(candidates, key=lambda kv: kv[1]["shape"][0] * kv[1]["shape"][1])
+            _, meta = max(candidates, key=lambda kv: kv[1]["shape"][0] * kv[1]["shape"][1])
             begin, end = meta["data_offsets"]
             f.seek(8 + size + begin)
             raw = np.frombuffer(f.read(end - begin), _SAFETENSORS_DTYPES[meta["dtype"]])
@@ -176,7 +176,7 @@ def write_faiss_store(directory: Path, general_dir: Path, vocab_size: int, embed
     directory.mkdir(parents=True, exist_ok=True)
     faiss.write_index(index, str(directory / "index.faiss"))
     save_npy(directory / "embeddings.npy", table)
-    return {"vectors": int(len(positions)), "index": kind, "dim": dim, "window": window, "decay": DECAY,
+    return {"vectors": len(positions), "index": kind, "dim": dim, "window": window, "decay": DECAY,
             "nprobe": NPROBE, "embeddings": source}
 
 

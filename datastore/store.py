@@ -23,9 +23,9 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -49,7 +49,7 @@ Corpus = "str | Path | Sequence[str | Path]"
 def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embeddings=None,
           speech_offset: int = 0, vocab_size: int | None = None, stop_ids: Iterable[int] = (),
           n_min: int = N_MIN, n_max: int = N_MAX, force: bool = False, progress: bool = True,
-          faiss_options: dict | None = None) -> "Datastore":
+          faiss_options: dict | None = None) -> Datastore:
     """Build a datastore from a corpus (JSONL, JSONL manifest of .npy, or .npz; see corpus.py).
 
     `speech_offset`, `vocab_size` and `stop_ids` map raw model ids to store-local speech ids
@@ -115,7 +115,7 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
     return open_datastore(target)
 
 
-def enroll(store_dir, speaker: str, corpus, replace: bool = False, progress: bool = False) -> "Datastore":
+def enroll(store_dir, speaker: str, corpus, replace: bool = False, progress: bool = False) -> Datastore:
     """Add utterances to one speaker's store (or replace it with `replace`), leaving every other
     store's files untouched. Crash-safe: the new store is written to a temporary directory, fsynced
     and renamed into place, and its catalog rows change in one transaction; a reader that opened the
@@ -163,7 +163,7 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False, progress: boo
     return open_datastore(root)
 
 
-def open_datastore(store_dir, verify: bool = False) -> "Datastore":
+def open_datastore(store_dir, verify: bool = False) -> Datastore:
     """Open a datastore: read the catalog, check the format version and every file's size (and
     sha256 with `verify`), and memory-map the general store. Speaker stores map on first use."""
     return Datastore(Path(store_dir), verify)
@@ -292,7 +292,7 @@ def _check_target(target: Path, force: bool) -> None:
         raise DatastoreError(f"{target}: exists and is not a datastore; refusing to replace it")
 
 
-def _remove_abandoned_enrollments(ds: "Datastore") -> None:
+def _remove_abandoned_enrollments(ds: Datastore) -> None:
     """Under the writer lock: temporary or unreferenced speaker directories are leftovers of an
     enrollment killed before its catalog transaction; no reader can be using them."""
     for tmp in ds.root.glob(".enroll-*"):

@@ -11,16 +11,14 @@ import time
 
 import numpy as np
 import pytest
-
 from echospec.datastore import FORMAT_VERSION, DatastoreError, build, open_datastore
 
 
 def make_corpus(path, n_utts=40, seed=0, vocab=64):
     rng = np.random.default_rng(seed)
     with open(path, "w") as f:
-        for i in range(n_utts):
-            f.write(json.dumps({"id": f"u{i}", "speaker": f"s{i % 3}", "tokens": rng.integers(0, vocab, 30).tolist(),
-                                "text": f"sentence {i}"}) + "\n")
+        f.writelines(json.dumps({"id": f"u{i}", "speaker": f"s{i % 3}", "tokens": rng.integers(0, vocab, 30).tolist(),
+                                "text": f"sentence {i}"}) + "\n" for i in range(n_utts))
     return path
 
 

@@ -7,7 +7,6 @@ import sqlite3
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from echospec.tools.cli import main
 
 
@@ -26,9 +25,8 @@ def corpus(tmp_path_factory):
     rng = np.random.default_rng(0)
     path = tmp_path_factory.mktemp("cli") / "corpus.jsonl"
     with open(path, "w") as f:
-        for i in range(60):
-            f.write(json.dumps({"id": f"u{i}", "speaker": ["ann", "bob"][i % 2],
-                                "tokens": rng.integers(0, 30, 40).tolist() + [30]}) + "\n")
+        f.writelines(json.dumps({"id": f"u{i}", "speaker": ["ann", "bob"][i % 2],
+                                "tokens": rng.integers(0, 30, 40).tolist() + [30]}) + "\n" for i in range(60))
     return path
 
 

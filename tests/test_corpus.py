@@ -4,8 +4,13 @@ import json
 
 import numpy as np
 import pytest
-
-from echospec.datastore import CorpusError, Vocabulary, build, open_datastore, read_corpus
+from echospec.datastore import (
+    CorpusError,
+    Vocabulary,
+    build,
+    open_datastore,
+    read_corpus,
+)
 
 
 def write_jsonl(path, rows):

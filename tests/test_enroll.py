@@ -7,8 +7,13 @@ import threading
 
 import numpy as np
 import pytest
-
-from echospec.datastore import CorpusError, DatastoreError, build, enroll, open_datastore
+from echospec.datastore import (
+    CorpusError,
+    DatastoreError,
+    build,
+    enroll,
+    open_datastore,
+)
 from echospec.retriever import SOURCES, Retriever
 
 

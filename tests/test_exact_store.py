@@ -7,12 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from echospec.datastore import build, open_datastore
 from echospec.datastore.exact import concat_segments, suffix_array
 from echospec.retriever import CandidateTree, Retriever
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 
 def brute_force_sa(stream, vocab, depth):
@@ -43,8 +42,7 @@ def test_large_vocabulary_uses_uint32_and_sorts(tmp_path):
 def test_store_is_memory_mapped_and_small(tmp_path):
     rng = np.random.default_rng(0)
     with open(tmp_path / "c.jsonl", "w") as f:
-        for _ in range(200):
-            f.write(json.dumps({"speaker": "s", "tokens": rng.integers(0, 1000, 250).tolist()}) + "\n")
+        f.writelines(json.dumps({"speaker": "s", "tokens": rng.integers(0, 1000, 250).tolist()}) + "\n" for _ in range(200))
     ds = build(tmp_path / "c.jsonl", tmp_path / "store", faiss=False, per_speaker=False, progress=False)
     for arr in (ds.general.tokens, ds.general.sa, ds.general.first):
         assert isinstance(arr.base, np.memmap)  # opening maps files; nothing is read up front
@@ -138,8 +136,7 @@ def test_every_exact_path_followed_the_context_in_the_corpus(case, min_support):
 def test_propose_is_deterministic_across_threads(tmp_path):
     rng = np.random.default_rng(1)
     with open(tmp_path / "c.jsonl", "w") as f:
-        for i in range(100):
-            f.write(json.dumps({"speaker": f"s{i % 4}", "tokens": rng.integers(0, 50, 60).tolist()}) + "\n")
+        f.writelines(json.dumps({"speaker": f"s{i % 4}", "tokens": rng.integers(0, 50, 60).tolist()}) + "\n" for i in range(100))
     build(tmp_path / "c.jsonl", tmp_path / "store", faiss=False, progress=False)
     r = Retriever(open_datastore(tmp_path / "store"))
     contexts = [(rng.integers(0, 50, int(rng.integers(1, 40))), f"s{i % 4}" if i % 2 else None) for i in range(64)]

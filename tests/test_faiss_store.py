@@ -6,7 +6,6 @@ import struct
 
 import numpy as np
 import pytest
-
 from echospec.datastore import DatastoreError, build, open_datastore
 from echospec.datastore.faiss_store import load_embeddings
 from echospec.retriever import SOURCES, Retriever
@@ -20,8 +19,7 @@ def corpus(tmp_path_factory):
     rng = np.random.default_rng(0)
     path = tmp_path_factory.mktemp("faiss") / "c.jsonl"
     with open(path, "w") as f:
-        for i in range(120):
-            f.write(json.dumps({"speaker": f"s{i % 2}", "tokens": rng.integers(0, UNSEEN, 40).tolist()}) + "\n")
+        f.writelines(json.dumps({"speaker": f"s{i % 2}", "tokens": rng.integers(0, UNSEEN, 40).tolist()}) + "\n" for i in range(120))
     return path
 
 

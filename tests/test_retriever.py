@@ -4,10 +4,9 @@ import json
 
 import numpy as np
 import pytest
-
-from echospec.datastore import build, open_datastore
-from echospec.tools.synth_corpus import SynthConfig, generate
+from echospec.datastore import build
 from echospec.retriever import SOURCES, CandidateTree, Retriever
+from echospec.tools.synth_corpus import SynthConfig, generate
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,9 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ..datastore import CorpusError, DatastoreError, build as build_datastore, enroll as enroll_speaker
-from ..datastore import open_datastore
+from ..datastore import CorpusError, DatastoreError, open_datastore
+from ..datastore import build as build_datastore
+from ..datastore import enroll as enroll_speaker
 from .cli import main
 
 
@@ -160,7 +161,7 @@ def query(store, context, speaker, max_nodes, max_depth, raw_ids, no_faiss, no_p
         _show(session, ids, as_json, fail=False)
 
 
-def _show(session: "_QuerySession", ids: np.ndarray, as_json: bool, fail: bool) -> None:
+def _show(session: _QuerySession, ids: np.ndarray, as_json: bool, fail: bool) -> None:
     try:
         tree, seconds = session.propose(ids)
     except ValueError as e:

@@ -13,13 +13,13 @@ n_max can be varied down from the default 8 and up). Not a speed benchmark.
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from pathlib import Path
 
 import click
 import numpy as np
-
 from echospec.datastore import build
 from echospec.retriever import Retriever
 from echospec.tools.synth_corpus import SynthConfig, generate
@@ -61,7 +61,7 @@ def cli(tokens: int, held_out: int, seed: int) -> None:
         with open(path, "w") as f:
             for i in range(len(corpus)):
                 if i not in test:
-                    f.write('{"speaker":"%s","tokens":%s}\n' % (corpus.speaker_name(i), corpus.utterance(i).tolist()))
+                    f.write(json.dumps({"speaker": corpus.speaker_name(i), "tokens": corpus.utterance(i).tolist()}) + "\n")
                     last[corpus.speaker_name(i)] = corpus.utterance(i)
         started = time.perf_counter()
         ds = build(path, Path(tmp) / "store", progress=False, n_max=16)
@@ -78,7 +78,7 @@ def cli(tokens: int, held_out: int, seed: int) -> None:
         for setting in settings:
             started = time.perf_counter()
             score = replay(Retriever(ds, **{"n_max": 8, **setting}), requests)
-            click.echo(f"{str(setting or 'defaults'):40s} tokens/step {score:.3f}   "
+            click.echo(f"{setting or 'defaults'!s:40s} tokens/step {score:.3f}   "
                        f"({time.perf_counter() - started:.1f} s)")
 
 
