@@ -3,9 +3,11 @@ echospec.datastore and echospec.retriever)."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -251,8 +253,25 @@ class _QuerySession:
 
 
 def _enable_history() -> None:
-    """Arrow-key history for the prompt when a terminal is attached (readline is not everywhere)."""
+    """Line editing and history for the prompt when a terminal is attached, kept across sessions in
+    ~/.echospec_history (readline is not on every platform; without it the prompt still works)."""
+    if not sys.stdin.isatty():
+        return
     try:
-        import readline  # noqa: F401  (importing it gives input() line editing and history)
+        import readline
     except ImportError:
+        return
+    path = Path.home() / ".echospec_history"
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+    atexit.register(_save_history, readline, path)
+
+
+def _save_history(readline, path: Path) -> None:
+    try:
+        readline.write_history_file(path)
+    except OSError:
         pass
