@@ -7,8 +7,10 @@ Files (in one directory):
   sa.npy      int32: the positions i that have a continuation (S[i] and S[i+1] are tokens), sorted by
               the reversed n-gram S[i], S[i-1], ..., S[i-depth+1]. Matching the context's suffix one
               more token to the left narrows a contiguous range of `sa`.
-  first.npy   int64[vocab + 1]: sa range of each last token, so the first step is a table look-up.
-That is 2 + 4 = 6 bytes per corpus token with a uint16 vocabulary (8 with uint32), plus 8 * vocab.
+  first.npy   int64[vocab + 1]: sa range of each last token, so the first step is a table look-up;
+              empty when the table would outweigh a quarter of sa (a small speaker's store), which
+              then binary-searches that step too.
+That is 2 + 4 = 6 bytes per corpus token with a uint16 vocabulary (8 with uint32), plus at most 1.
 
 The sort is bounded to `depth` (= n_max): the reversed n-grams are packed into uint64 key words
 (read sequentially from the stream) and sorted in numba: one counting pass by the last token, then a
@@ -185,6 +187,8 @@ def _lsd_sort(keys, order, spare_keys, spare_order, lo, hi, counts):
 
 
 def first_index(stream: np.ndarray, sa: np.ndarray, vocab_size: int) -> np.ndarray:
+    if 8 * (vocab_size + 1) > len(sa):
+        return np.zeros(0, np.int64)
     return np.searchsorted(stream[sa], np.arange(vocab_size + 1), side="left").astype(np.int64)
 
 
@@ -216,7 +220,7 @@ class ExactStore:
                 np.asarray(np.load(self.directory / name, mmap_mode="r", allow_pickle=False)) for name in FILES)
         except (OSError, ValueError) as e:
             raise DatastoreError(f"{self.directory}: cannot map exact store: {e}") from None
-        if self.first.shape != (vocab_size + 1,) or self.tokens.dtype != stream_dtype(vocab_size):
+        if self.first.shape not in ((vocab_size + 1,), (0,)) or self.tokens.dtype != stream_dtype(vocab_size):
             raise DatastoreError(f"{self.directory}: exact store does not match the catalog's vocabulary")
         self.vocab_size = vocab_size
         self.sentinel = int(np.iinfo(self.tokens.dtype).max)

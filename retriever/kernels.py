@@ -25,22 +25,48 @@ def context_is_valid(ctx, vocab_size):
 
 
 @njit(cache=True, nogil=True)
+def narrow(tokens, sa, lo, hi, depth, c):
+    """The sub-range of sa[lo:hi] whose token `depth` places left of the position is c (the range
+    is sorted by that token, all shallower ones being equal)."""
+    a = lo
+    b = hi
+    while a < b:
+        m = (a + b) >> 1
+        if tokens[sa[m] - depth] < c:
+            a = m + 1
+        else:
+            b = m
+    start = a
+    b = hi
+    while a < b:
+        m = (a + b) >> 1
+        if tokens[sa[m] - depth] <= c:
+            a = m + 1
+        else:
+            b = m
+    return start, a
+
+
+@njit(cache=True, nogil=True)
 def match(tokens, sa, first, ctx, n_max, los, his):
     """Deepest k <= n_max such that the context's last k tokens occur in the store.
 
     los[d], his[d] receive the sa range of the last d tokens for d = 1..k, and los[k + 1] (=
-    his[k + 1]) where the next longer suffix would be (the middle when there is none to try). `sa` is sorted by the
-    reversed n-gram, so each extra token to the left narrows the range by two binary searches.
+    his[k + 1]) where the next longer suffix would be (the middle when there is none to try).
+    `sa` is sorted by the reversed n-gram, so each extra token to the left narrows the range by two
+    binary searches.
     """
     n = ctx.shape[0]
-    vocab = first.shape[0] - 1
     if n == 0:
         return 0
     c = ctx[n - 1]
-    if c < 0 or c >= vocab:
-        return 0
-    lo = first[c]
-    hi = first[c + 1]
+    if first.shape[0]:
+        if c < 0 or c >= first.shape[0] - 1:
+            return 0
+        lo = first[c]
+        hi = first[c + 1]
+    else:  # a small store keeps no first-token table: search its range like any other step
+        lo, hi = narrow(tokens, sa, 0, sa.shape[0], 0, c)
     if lo >= hi:
         return 0
     los[1] = lo
@@ -48,23 +74,7 @@ def match(tokens, sa, first, ctx, n_max, los, his):
     k = 1
     limit = min(n_max, n)
     while k < limit:
-        c = ctx[n - 1 - k]
-        a = lo
-        b = hi
-        while a < b:
-            m = (a + b) >> 1
-            if tokens[sa[m] - k] < c:
-                a = m + 1
-            else:
-                b = m
-        new_lo = a
-        b = hi
-        while a < b:
-            m = (a + b) >> 1
-            if tokens[sa[m] - k] <= c:
-                a = m + 1
-            else:
-                b = m
+        new_lo, a = narrow(tokens, sa, lo, hi, k, ctx[n - 1 - k])
         if a == new_lo:
             los[k + 1] = a  # where the longer suffix would sit: its nearest neighbours surround it
             his[k + 1] = a
@@ -119,9 +129,9 @@ def gather_store(tokens, sa, first, ctx, n_min, n_max, min_support, cap, out, ro
     m = min(count, cap, out.shape[0] - row0)
     centre = (los[d + 1] + his[d + 1]) >> 1
     start = min(max(lo, centre - m // 2), hi - m)
-    vocab = first.shape[0] - 1
+    sentinel = np.iinfo(tokens.dtype).max
     for j in range(m):
-        copy_continuation(tokens, sa[start + j] + 1, vocab, out, row0 + j)
+        copy_continuation(tokens, sa[start + j] + 1, sentinel, out, row0 + j)
     return m, d, count
 
 
