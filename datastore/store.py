@@ -43,9 +43,6 @@ N_MAX = 8
 than 4 rarely have the support the retriever asks for: n_max 4, 8 and 16 score within 0.01
 tokens/step, and each extra key word costs the build's radix sort ~6 passes."""
 
-Corpus = "str | Path | Sequence[str | Path]"
-
-
 def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embeddings=None,
           speech_offset: int = 0, vocab_size: int | None = None, stop_ids: Iterable[int] = (),
           n_min: int = N_MIN, n_max: int = N_MAX, force: bool = False, progress: bool = True,
@@ -115,11 +112,12 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
     return open_datastore(target)
 
 
-def enroll(store_dir, speaker: str, corpus, replace: bool = False, progress: bool = False) -> Datastore:
+def enroll(store_dir, speaker: str, corpus, replace: bool = False) -> Datastore:
     """Add utterances to one speaker's store (or replace it with `replace`), leaving every other
     store's files untouched. Crash-safe: the new store is written to a temporary directory, fsynced
     and renamed into place, and its catalog rows change in one transaction; a reader that opened the
-    old store keeps its memory maps (the old files' inodes) until it reopens."""
+    old store keeps its memory maps (the old files' inodes) until it reopens. Every utterance of
+    `corpus` is filed under `speaker`, whatever its own "speaker" field says."""
     root = Path(store_dir)
     speaker = str(speaker).strip()
     if not speaker:
