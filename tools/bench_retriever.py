@@ -71,6 +71,7 @@ class Split:
     held_speakers: list[str]
     tune: list[np.ndarray]  # held out too, only for choosing SuffixDecoding's tuned setting
     n_train_tokens: int
+    vocab: int  # 1 + the largest id anywhere in the corpus, so held-out ids are in the stores' range
 
 
 def load_jsonl(path: Path) -> tuple[list[dict], list[np.ndarray]]:
@@ -84,6 +85,8 @@ def load_jsonl(path: Path) -> tuple[list[dict], list[np.ndarray]]:
                 tokens.append(np.asarray(record["tokens"], np.int64))
             except (ValueError, KeyError, TypeError) as e:
                 raise click.ClickException(f"{path}:{number}: not an utterance ({e})")
+            if tokens[-1].ndim != 1 or (len(tokens[-1]) and tokens[-1].min() < 0):
+                raise click.ClickException(f"{path}:{number}: tokens must be a list of non-negative ids")
             records.append(record)
     if not records:
         raise click.ClickException(f"{path}: no utterances")
@@ -107,7 +110,7 @@ def split_corpus(path: Path, out: Path, n_held: int, n_tune: int, seed: int) -> 
                 f.write(json.dumps(record) + "\n")
     train = [t for t, h in zip(tokens, is_held) if not h]
     return Split(train_path, train, [tokens[i] for i in held], [str(speakers[i]) for i in held],
-                 [tokens[i] for i in tune], sum(len(t) for t in train))
+                 [tokens[i] for i in tune], sum(len(t) for t in train), 1 + max(int(t.max()) for t in tokens if len(t)))
 
 
 # --- measurements helpers -----------------------------------------------------------------------------------
@@ -147,16 +150,17 @@ _BUILD_CHILD = """
 import json, resource, sys, time
 from echospec.datastore import build
 t = time.perf_counter()
-build(sys.argv[1], sys.argv[2], per_speaker=sys.argv[3] == "1", faiss=sys.argv[4] == "1", force=True, progress=False)
+build(sys.argv[1], sys.argv[2], per_speaker=sys.argv[3] == "1", faiss=sys.argv[4] == "1", vocab_size=int(sys.argv[5]),
+      force=True, progress=False)
 print(json.dumps({"seconds": time.perf_counter() - t,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
-def build_echospec(train: Path, store: Path, per_speaker: bool, faiss: bool) -> dict:
+def build_echospec(train: Path, store: Path, per_speaker: bool, faiss: bool, vocab: int) -> dict:
     """Build a datastore in a child process (same pinned threads); its time and peak RSS."""
     done = subprocess.run([sys.executable, "-c", _BUILD_CHILD, str(train), str(store), str(int(per_speaker)),
-                           str(int(faiss))], capture_output=True, text=True, env=os.environ)
+                           str(int(faiss)), str(vocab)], capture_output=True, text=True, env=os.environ)
     if done.returncode != 0:
         raise click.ClickException(f"echospec build failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -409,6 +413,9 @@ def markdown(result: dict) -> str:
             f"| {lat['step_p50_us']:.1f} | {ratio} | {orc['tokens_per_step']:.3f} "
             f"[{orc['ci95'][0]:.3f}, {orc['ci95'][1]:.3f}] | {orc['mean_accepted_drafts']:.3f} "
             f"| {orc['mean_tree_nodes']:.1f} |")
+    lines += ["", "Build: corpus tokens per second from JSONL to a finished datastore; echospec rows build the general "
+              "and per-speaker exact stores, the FAISS row the general exact store plus FAISS (general-only build "
+              "below). Bytes/token: the general exact store on disk (FAISS row: the FAISS store alone)."]
     lines += ["", "Latency: median over rounds of each round's percentile (range over rounds in brackets); "
               "per-step adds SuffixDecoding's add_active_response, the per-request update vLLM runs every step "
               "(echospec and REST keep no per-request state)."]
@@ -467,8 +474,10 @@ def targets(rows: list[dict], n_store_tokens: int) -> list[tuple[str, bool]]:
                            f"is faster than its p50 {lat[key]:.1f} µs: {', '.join(better) or 'none'}", bool(better)))
     if general16:
         b = general16["build"]
-        checks.append((f"exact build (general + per-speaker) {b['tokens_per_s'] / 1e6:.2f} M tokens/s ≥ 1M",
-                       b["tokens_per_s"] >= 1e6))
+        checks.append((f"build of the general exact store {b['general_only_tokens_per_s'] / 1e6:.2f} M tokens/s ≥ 1M",
+                       b["general_only_tokens_per_s"] >= 1e6))
+        checks.append((f"build of general + per-speaker exact stores (every token indexed twice) "
+                       f"{b['tokens_per_s'] / 1e6:.2f} M corpus tokens/s ≥ 1M", b["tokens_per_s"] >= 1e6))
         checks.append((f"general exact store {b['bytes_per_token']:.2f} bytes/token ≤ 8", b["bytes_per_token"] <= 8))
     return checks
 
@@ -510,17 +519,23 @@ def cli(corpus, n_tokens, out, n_held, calls, rounds, warmup, n_tune, faiss, see
     extra = {}
 
     store, faiss_store = out / "store", out / "store_faiss"
-    built = build_echospec(split.train_path, store, per_speaker=True, faiss=False)
+    general_only = build_echospec(split.train_path, out / "store_general", per_speaker=False, faiss=False,
+                                  vocab=split.vocab)
+    extra["echospec build (general exact store only)"] = (
+        f"{general_only['seconds']:.1f} s = {n / general_only['seconds'] / 1e6:.2f} M tokens/s, "
+        f"child peak RSS {general_only['peak_rss_mb']:.0f} MB")
+    built = build_echospec(split.train_path, store, per_speaker=True, faiss=False, vocab=split.vocab)
     general_bytes = disk_bytes(store / "general")
     speaker_bytes = disk_bytes(store / "speakers")
     es_build = {"tokens_per_s": n / built["seconds"], "seconds": built["seconds"],
-                "bytes_per_token": general_bytes / n, "child_peak_rss_mb": built["peak_rss_mb"]}
+                "bytes_per_token": general_bytes / n, "child_peak_rss_mb": built["peak_rss_mb"],
+                "general_only_tokens_per_s": n / general_only["seconds"]}
     extra["echospec build (general + per-speaker exact stores)"] = (
         f"{built['seconds']:.1f} s, child peak RSS {built['peak_rss_mb']:.0f} MB; general store "
         f"{general_bytes / n:.2f} B/token, per-speaker stores {speaker_bytes / n:.2f} B/token, "
         f"catalog {disk_bytes(store / 'catalog.sqlite') / 1e6:.1f} MB")
     if faiss:
-        fb = build_echospec(split.train_path, faiss_store, per_speaker=False, faiss=True)
+        fb = build_echospec(split.train_path, faiss_store, per_speaker=False, faiss=True, vocab=split.vocab)
         faiss_build = {"tokens_per_s": n / fb["seconds"], "seconds": fb["seconds"],
                        "bytes_per_token": disk_bytes(faiss_store / "faiss") / n}
         extra["echospec build (general exact + FAISS)"] = (
