@@ -207,9 +207,23 @@ class Datastore:
             with self._lock:
                 store = self._speaker_stores.get(speaker)
                 if store is None:
-                    store = ExactStore(self._speaker_dirs[speaker], self.vocab_size)
+                    store = self._map_speaker(speaker)
                     self._speaker_stores[speaker] = store
         return store
+
+    def _map_speaker(self, speaker: str) -> ExactStore:
+        """Map on first use; if an enrollment replaced the store since this datastore was opened
+        (its old directory is gone), map the one the catalog names now."""
+        try:
+            return ExactStore(self._speaker_dirs[speaker], self.vocab_size)
+        except DatastoreError:
+            db = catalog.open_catalog(self.root)
+            try:
+                row = db.execute("SELECT s.directory FROM speakers p JOIN stores s ON s.name = p.store "
+                                 "WHERE p.name = ?", [speaker]).fetchone()
+            finally:
+                db.conn.close()
+            return ExactStore(self.root / row[0], self.vocab_size)
 
     def faiss_store(self):
         """The FAISS store, or None when the datastore was built without one."""

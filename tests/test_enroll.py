@@ -71,6 +71,13 @@ def test_reader_of_the_old_store_keeps_working(tmp_path, store):
     assert fresh.propose(np.array([1, 2]), speaker="ann").tokens[0] == 9
 
 
+def test_reader_that_had_not_mapped_a_replaced_speaker_maps_the_new_one(tmp_path, store):
+    enroll(store, "ann", jsonl(tmp_path / "a.jsonl", [[1, 2, 3, 4]] * 2))
+    reader = Retriever(store, prompt_lookup=False, use_faiss=False)  # ann not mapped yet
+    enroll(store, "ann", jsonl(tmp_path / "b.jsonl", [[1, 2, 9, 9]] * 2), replace=True)
+    assert reader.propose(np.array([1, 2]), speaker="ann").tokens[0] == 9
+
+
 def test_concurrent_enrollments_are_serialised(tmp_path, store):
     files = [jsonl(tmp_path / f"{i}.jsonl", [[i, i + 1]]) for i in range(4)]
     threads = [threading.Thread(target=enroll, args=(store, "ann", f)) for f in files]
