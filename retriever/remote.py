@@ -223,6 +223,12 @@ class RemoteRetriever:
                 self._connections.append(conn)
         return conn
 
+    @property
+    def connections_opened(self) -> int:
+        """Sockets opened so far, all threads together (one per thread while keep-alive holds)."""
+        with self._connections_lock:
+            return sum(conn.opened for conn in self._connections)
+
     def close(self) -> None:
         """Close every thread's connection (a later call opens a new one)."""
         with self._connections_lock:
@@ -249,6 +255,7 @@ class _Connection:
         self.host, self.port, self.tls = host, port, tls
         self.host_header = f"Host: {host}:{port}\r\n"
         self.sock: socket.socket | None = None
+        self.opened = 0  # sockets opened so far: stays 1 while keep-alive works
 
     @property
     def is_open(self) -> bool:
@@ -259,13 +266,14 @@ class _Connection:
             sock = socket.create_connection((self.host, self.port), timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.sock = self.tls.wrap_socket(sock, server_hostname=self.host) if self.tls else sock
+            self.opened += 1
         self.sock.settimeout(timeout)
         body = body or b""
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         self.sock.sendall(f"{method} {path} HTTP/1.1\r\n{self.host_header}Content-Length: {len(body)}\r\n{head}\r\n"
                           .encode("latin-1") + body)
         answer = _Answer()
-        parser = httptools.HttpResponseParser(answer)
+        parser = answer.parser = httptools.HttpResponseParser(answer)
         received = False
         while not answer.complete:
             data = self.sock.recv(1 << 16)
@@ -277,7 +285,7 @@ class _Connection:
                 parser.feed_data(data)
             except httptools.HttpParserError as e:
                 raise http.client.HTTPException(f"malformed answer: {e}") from None
-        if not parser.should_keep_alive():
+        if not answer.keep_alive:
             self.close()
         return parser.get_status_code(), b"".join(answer.body)
 
@@ -290,17 +298,19 @@ class _Connection:
 class _Answer:
     """httptools callbacks collecting one response's body."""
 
-    __slots__ = ("body", "complete")
+    __slots__ = ("parser", "body", "complete", "keep_alive")
 
     def __init__(self):
+        self.parser: httptools.HttpResponseParser | None = None
         self.body: list[bytes] = []
-        self.complete = False
+        self.complete = self.keep_alive = False
 
     def on_body(self, chunk: bytes) -> None:
         self.body.append(chunk)
 
     def on_message_complete(self) -> None:
         self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()  # only valid here: the parser resets after
 
 
 def _error(data: bytes) -> dict:

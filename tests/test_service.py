@@ -100,6 +100,7 @@ def test_remote_retriever_equals_in_process(server, store, corpus, payload):
                 assert got.to_dict() == want.to_dict()
                 assert [getattr(got, f).dtype for f in ("tokens", "parents", "depths", "counts", "probs", "sources")] \
                     == [getattr(want, f).dtype for f in ("tokens", "parents", "depths", "counts", "probs", "sources")]
+        assert remote.connections_opened == 1  # one kept-alive connection served every call
         assert len(remote.propose([])) == 0  # as in-process: an empty context has no root
         with pytest.raises(ValueError, match="0..511"):
             remote.propose([1, 2, VOCAB])
@@ -122,6 +123,8 @@ def run_clients(url: str, store, cases, n_clients: int, per_client: int) -> None
                     context, speaker = cases[j]
                     if remote.propose(context, speaker=speaker).to_dict() != expected[j]:
                         mismatches.append((k, i))
+                if remote.connections_opened != 1:
+                    errors.append(f"client {k} opened {remote.connections_opened} connections")
         except Exception as e:  # noqa: BLE001 — collected and asserted below
             errors.append(repr(e))
 
