@@ -216,6 +216,8 @@ def _save(model: LlamaForCausalLM, meta: TTSMeta, out_dir: Path, report: dict) -
     model.save_pretrained(tmp, safe_serialization=True)
     meta.save(tmp)
     (tmp / "training_report.json").write_text(json.dumps(report, indent=2))
+    for path in tmp.iterdir():
+        path.chmod(0o644)  # safetensors writes 0600; the checkpoint is shipped and shared
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
