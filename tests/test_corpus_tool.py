@@ -7,7 +7,6 @@ from collections import Counter
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from echospec.tools.cli import main
 from echospec.tools.make_corpus import (
     EngineMissingError,
@@ -125,7 +124,7 @@ def test_unknown_voices_are_reported():
 
 @needs_engines
 def test_two_sentences_two_voices_end_to_end(tmp_path):
-    kwargs = dict(sentences=TWO_SENTENCES, speakers=TWO_VOICES, utterances_per_speaker=2, n_prompts=0, vocab_size=8, progress=False)
+    kwargs = {"sentences": TWO_SENTENCES, "speakers": TWO_VOICES, "utterances_per_speaker": 2, "n_prompts": 0, "vocab_size": 8, "progress": False}
     manifest = make_corpus(tmp_path / "a", seed=5, **kwargs)
     rows = [json.loads(line) for line in (tmp_path / "a" / "corpus.jsonl").read_text().splitlines()]
     assert len(rows) == manifest["utterances"] == 4

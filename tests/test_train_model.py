@@ -7,8 +7,6 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import AutoModelForCausalLM
-
 from echospec.tools.cli import main
 from echospec.tools.train_model import TrainConfig, TrainingDataError, lr_at, train_model
 from echospec.tools.tts_prompt import (
@@ -22,6 +20,7 @@ from echospec.tools.tts_prompt import (
     encode_target,
     load_sample_tts,
 )
+from transformers import AutoModelForCausalLM
 
 TINY = TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup=2, hidden=32, layers=2, heads=2, kv_heads=1, eval_every=3)
 shipped = pytest.mark.skipif(not (SAMPLE_MODEL_DIR / META_FILE).is_file(), reason="the sample checkpoint is not in this checkout")

@@ -26,15 +26,15 @@ import shutil
 import subprocess
 import tempfile
 import wave
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
-from .speech_tokenizer import MelConfig, log_mel, resample, train_tokenizer
+from .speech_tokenizer import DEFAULT_MEL, MelConfig, log_mel, resample, train_tokenizer
 
 APT_PACKAGES = {"espeak-ng": "espeak-ng", "flite": "flite"}
 # Debian's `fortunes` (which pulls in `fortunes-min`): the non-offensive files of plain sayings, jokes and
@@ -70,7 +70,7 @@ class Speaker:
         return f"{prefix}-{self.voice.replace('+', '-')}"
 
     @classmethod
-    def parse(cls, spec: str) -> "Speaker":
+    def parse(cls, spec: str) -> Speaker:
         """'espeak-ng:en-us+m3' or 'flite:slt'."""
         engine, sep, voice = spec.partition(":")
         if not sep or engine not in APT_PACKAGES or not voice:
@@ -193,12 +193,12 @@ def check_engines(speakers: Iterable[Speaker]) -> None:
             raise EngineMissingError(f"{engine} is not installed; install it with: apt-get install {APT_PACKAGES[engine]}")
     flite_voices = {s.voice for s in speakers if s.engine == "flite"}
     if flite_voices:
-        listed = subprocess.run(["flite", "-lv"], capture_output=True, text=True).stdout.split(":", 1)[-1].split()
+        listed = subprocess.run(["flite", "-lv"], capture_output=True, text=True, check=False).stdout.split(":", 1)[-1].split()
         if missing := sorted(flite_voices - set(listed)):
             raise EngineMissingError(f"flite has no voice(s) {missing}; installed: {listed}")
     for speaker in speakers:
         if speaker.engine == "espeak-ng":
-            result = subprocess.run(["espeak-ng", "-v", speaker.voice, "-q", "test"], capture_output=True, text=True)
+            result = subprocess.run(["espeak-ng", "-v", speaker.voice, "-q", "test"], capture_output=True, text=True, check=False)
             if result.returncode != 0:
                 raise EngineMissingError(f"espeak-ng voice {speaker.voice!r}: {result.stderr.strip()} (see espeak-ng --voices)")
 
@@ -227,11 +227,11 @@ def _trim_silence(wave_16k: np.ndarray, sample_rate: int, pad_s: float = 0.1) ->
     return wave_16k[max(0, loud[0] - pad) : loud[-1] + pad]
 
 
-def synthesize(utt: Utterance, cfg: MelConfig = MelConfig()) -> np.ndarray:
+def synthesize(utt: Utterance, cfg: MelConfig = DEFAULT_MEL) -> np.ndarray:
     """float32 mono waveform at cfg.sample_rate for one planned utterance."""
     with tempfile.TemporaryDirectory(prefix="echospec-tts-") as tmp:
         wav_path = os.path.join(tmp, "u.wav")
-        result = subprocess.run(_engine_command(utt, wav_path), capture_output=True, text=True)
+        result = subprocess.run(_engine_command(utt, wav_path), capture_output=True, text=True, check=False)
         if result.returncode != 0 or not os.path.exists(wav_path):
             raise SynthesisError(f"{utt.speaker.engine} failed on {utt.id}: {result.stderr.strip()}")
         audio, sr = _read_wav(Path(wav_path).read_bytes())
@@ -270,7 +270,7 @@ def make_corpus(
     check_engines(speakers)
     sentences = load_sentences() if sentences is None else list(sentences)
     plan = plan_corpus(sentences, speakers, utterances_per_speaker, n_prompts, seed=seed, **plan_options)
-    cfg = MelConfig()
+    cfg = DEFAULT_MEL
     with ThreadPoolExecutor(max(1, jobs)) as pool:  # threads suffice: the engines run as subprocesses
         mels = list(tqdm(pool.map(lambda u: log_mel(synthesize(u, cfg), cfg), plan), total=len(plan), desc="synthesize", disable=not progress))
     corpus_mels = [m for m, u in zip(mels, plan) if not u.held_out]

@@ -37,6 +37,9 @@ class MelConfig:
         return self.sample_rate / self.hop_length
 
 
+DEFAULT_MEL = MelConfig()
+
+
 def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
     return 2595.0 * np.log10(1.0 + hz / 700.0)
 
@@ -59,7 +62,7 @@ def resample(wave: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
     """Band-limited resampling by truncating or zero-padding the spectrum (exact for whole clips)."""
     if sr_in == sr_out:
         return wave.astype(np.float32)
-    n_out = int(round(len(wave) * sr_out / sr_in))
+    n_out = round(len(wave) * sr_out / sr_in)
     spectrum = np.fft.rfft(wave.astype(np.float64))
     resized = np.zeros(n_out // 2 + 1, dtype=np.complex128)
     keep = min(len(spectrum), len(resized))
@@ -67,7 +70,7 @@ def resample(wave: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
     return (np.fft.irfft(resized, n_out) * (n_out / len(wave))).astype(np.float32)
 
 
-def log_mel(wave: np.ndarray, cfg: MelConfig = MelConfig()) -> np.ndarray:
+def log_mel(wave: np.ndarray, cfg: MelConfig = DEFAULT_MEL) -> np.ndarray:
     """float32[frames, n_mels] natural-log mel energies; frames = 1 + len(wave) // hop (centred frames)."""
     if wave.ndim != 1 or len(wave) == 0:
         raise ValueError(f"log_mel expects a non-empty mono waveform, got shape {wave.shape}")
@@ -82,7 +85,7 @@ def log_mel(wave: np.ndarray, cfg: MelConfig = MelConfig()) -> np.ndarray:
 class SpeechTokenizer:
     """Nearest-centroid tokenizer over normalised log-mel frames."""
 
-    def __init__(self, centroids: np.ndarray, mean: np.ndarray, std: np.ndarray, cfg: MelConfig = MelConfig()):
+    def __init__(self, centroids: np.ndarray, mean: np.ndarray, std: np.ndarray, cfg: MelConfig = DEFAULT_MEL):
         if centroids.ndim != 2 or centroids.shape[1] != cfg.n_mels or mean.shape != (cfg.n_mels,) or std.shape != (cfg.n_mels,):
             raise ValueError(f"tokenizer shapes disagree: centroids {centroids.shape}, mean {mean.shape}, n_mels {cfg.n_mels}")
         self.centroids = np.ascontiguousarray(centroids, dtype=np.float32)
@@ -127,7 +130,7 @@ class SpeechTokenizer:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "SpeechTokenizer":
+    def load(cls, path: str | os.PathLike) -> SpeechTokenizer:
         try:
             with np.load(path) as z:
                 cfg = MelConfig(**{k: type(getattr(MelConfig, k))(z[k]) for k in MelConfig.__dataclass_fields__})
@@ -136,7 +139,7 @@ class SpeechTokenizer:
             raise ValueError(f"{path}: not a speech tokenizer file ({e})") from e
 
 
-def train_tokenizer(mels: list[np.ndarray], vocab_size: int, seed: int = 0, cfg: MelConfig = MelConfig(), niter: int = 25) -> SpeechTokenizer:
+def train_tokenizer(mels: list[np.ndarray], vocab_size: int, seed: int = 0, cfg: MelConfig = DEFAULT_MEL, niter: int = 25) -> SpeechTokenizer:
     """k-means (faiss) over the normalised frames of `mels`; single-threaded so the result depends only on seed."""
     frames = np.concatenate(mels).astype(np.float32)
     if len(frames) < vocab_size * 4:

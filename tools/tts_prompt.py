@@ -15,9 +15,9 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 META_FILE = "echospec_tts.json"
 FORMAT = "echospec-tts/1"
@@ -47,7 +47,7 @@ class TTSMeta:
     format: str = FORMAT
 
     @classmethod
-    def build(cls, chars: Iterable[str], speakers: Iterable[str], speech_vocab_size: int, frame_rate: float = 25.0) -> "TTSMeta":
+    def build(cls, chars: Iterable[str], speakers: Iterable[str], speech_vocab_size: int, frame_rate: float = 25.0) -> TTSMeta:
         """Lay out specials, sorted characters, sorted speakers, the task token, speech tokens, stop token."""
         chars, speakers = sorted(set(chars)), sorted(set(speakers))
         if speech_vocab_size < 1 or not chars or not speakers:
@@ -75,7 +75,7 @@ class TTSMeta:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, model_dir: str | os.PathLike) -> "TTSMeta":
+    def load(cls, model_dir: str | os.PathLike) -> TTSMeta:
         path = Path(model_dir) / META_FILE
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
