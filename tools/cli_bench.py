@@ -31,9 +31,13 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(1))
 @click.option("--seed", default=0, show_default=True)
+@click.option("--tau", type=click.IntRange(1), help="Filtered: top-tau (default: the paper's 512/6561 of the vocabulary).")
+@click.option("--beta", default=0.2, show_default=True, type=click.FloatRange(0, 1), help="Tolerance's beta.")
+@click.option("--similarity", default=0.3, show_default=True, type=click.FloatRange(-1, 1),
+              help="SimilarityGroups' cosine threshold.")
 @click.option("--out", "out_dir", default="runs/bench", show_default=True, type=click.Path(file_okay=False))
 def bench_command(checkpoint, store, prompts, tokenizer, policies, stores, nodes, depth, sweep_nodes, sweep_depths,
-                  limit, max_new_tokens, threads, seed, out_dir):
+                  limit, max_new_tokens, threads, seed, tau, beta, similarity, out_dir):
     """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT.
 
     \b
@@ -49,7 +53,8 @@ def bench_command(checkpoint, store, prompts, tokenizer, policies, stores, nodes
         report = bench(checkpoint, store, prompts, tokenizer=tokenizer, policies=policies or POLICIES, stores=stores,
                        max_nodes=nodes if nodes == "auto" else int(nodes), max_depth=depth,
                        sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,), limit=limit,
-                       max_new_tokens=max_new_tokens, threads=threads, seed=seed, out_dir=out_dir)
+                       max_new_tokens=max_new_tokens, threads=threads, seed=seed, tau=tau, beta=beta,
+                       similarity=similarity, out_dir=out_dir)
     except (BenchError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(format_table(report))

@@ -37,6 +37,24 @@ def bootstrap_ci(values, resamples: int = 2000, seed: int = 0) -> Interval:
     return Interval(float(values.mean()), float(low), float(high))
 
 
+def relative_difference_ci(values, baseline, resamples: int = 2000, seed: int = 0) -> Interval:
+    """(mean(values) - mean(baseline)) / |mean(baseline)| with a 95% paired bootstrap interval.
+
+    `values[i]` and `baseline[i]` come from the same utterance, so resampling utterances keeps pairs
+    together and the interval reflects the policy, not which sentences happened to be drawn.
+    """
+    values, baseline = np.asarray(values, np.float64), np.asarray(baseline, np.float64)
+    if len(values) == 0 or len(values) != len(baseline):
+        return Interval(float("nan"), float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(values), size=(resamples, len(values)))
+    base = baseline[picks].mean(axis=1)
+    ratios = (values[picks].mean(axis=1) - base) / np.abs(base)
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    mean = (values.mean() - baseline.mean()) / abs(baseline.mean())
+    return Interval(float(mean), float(low), float(high))
+
+
 class MelDecoder:
     """Maps speech tokens back to log-mel frames through the k-means tokenizer's centroids."""
 
