@@ -192,8 +192,7 @@ class RemoteRetriever:
         if breaker:
             self.breaker.success()
         if status >= 400:
-            error = _error(data)
-            raise ServiceRequestError(status, error.get("code", "error"), error.get("message", data[:200]))
+            raise ServiceRequestError(status, _error(data).get("code", "error"), _message(data))
         return status, data
 
     def _exchange(self, method, path, body, content_type, timeout) -> tuple[int, bytes]:
