@@ -388,8 +388,7 @@ def machine_line() -> dict:
     except Exception:
         arctic = None
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": int(THREADS), "python": platform.python_version(),
-            "numpy": np.__version__, "numba": numba.__version__, "arctic_inference": arctic,
-            "loadavg_start": os.getloadavg()}
+            "numpy": np.__version__, "numba": numba.__version__, "arctic_inference": arctic}
 
 
 def markdown(result: dict) -> str:
@@ -506,6 +505,7 @@ def cli(corpus, n_tokens, out, n_held, calls, rounds, warmup, n_tune, faiss, see
     from echospec.retriever import Retriever
 
     out.mkdir(parents=True, exist_ok=True)
+    load_at_start = os.getloadavg()
     command = "python -m echospec.tools.bench_retriever " + " ".join(sys.argv[1:])
     if corpus is None:
         corpus = out / "corpus.jsonl"
@@ -591,7 +591,7 @@ def cli(corpus, n_tokens, out, n_held, calls, rounds, warmup, n_tune, faiss, see
     extra["process peak RSS"] = f"{peak_rss_mb():.0f} MB"
 
     machine = machine_line()
-    machine["loadavg_end"] = os.getloadavg()
+    machine["loadavg_start"], machine["loadavg_end"] = load_at_start, os.getloadavg()
     result = {"corpus": f"{corpus.name}: {n} training tokens, {len(split.held)} held-out utterances, "
                         f"{len(contexts)} latency contexts x {rounds} rounds", "command": command, "machine": machine,
               "systems": rows, "extra": extra, "suffix_grid": grid, "targets": targets(rows, n)}
