@@ -162,7 +162,7 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
 
 def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
           max_nodes: int | str = 16, max_depth: int = 8, sweep_nodes=(), sweep_depths=(), limit: int | None = None,
-          max_new_tokens: int = 400, threads: int = 2, seed: int = 0, tau: int | None = None, beta: float = 0.2,
+          max_new_tokens: int = 400, threads: int = 1, seed: int = 0, tau: int | None = None, beta: float = 0.2,
           similarity: float = 0.3, out_dir=None, progress: bool = True) -> dict:
     """Decode `prompts_path` with every system; return (and write to `out_dir`) the report as a dict."""
     import torch

@@ -29,7 +29,8 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--sweep-depths", default="", help="Depths to sweep, e.g. 4,12.")
 @click.option("--limit", type=click.IntRange(1), help="Use the first N prompts.")
 @click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
-@click.option("--threads", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1),
+              help="torch threads (a small model runs fastest on one).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--tau", type=click.IntRange(1), help="Filtered: top-tau (default: the paper's 512/6561 of the vocabulary).")
 @click.option("--beta", default=0.2, show_default=True, type=click.FloatRange(0, 1), help="Tolerance's beta.")
@@ -63,8 +64,9 @@ def bench_command(checkpoint, store, prompts, tokenizer, policies, stores, nodes
 
 @main.command("demo")
 @click.option("--out", "out_dir", default="runs/demo", show_default=True, type=click.Path(file_okay=False))
-@click.option("--limit", default=6, show_default=True, type=click.IntRange(1), help="Held-out sentences to synthesize.")
-@click.option("--threads", default=2, show_default=True, type=click.IntRange(1))
+@click.option("--limit", default=12, show_default=True, type=click.IntRange(1), help="Held-out sentences to synthesize.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(1),
+              help="torch threads (a small model runs fastest on one).")
 def demo_command(out_dir, limit, threads):
     """The embedded default: build stores from the shipped sample, query, and benchmark every policy."""
     from .demo import demo

@@ -13,7 +13,7 @@ SAMPLE_PROMPTS = SAMPLE_DIR / "prompts.jsonl"
 SAMPLE_TOKENIZER = SAMPLE_DIR / "tokenizer.npz"
 
 
-def demo(out_dir="runs/demo", limit: int = 6, threads: int = 2, echo=print, progress: bool = True) -> dict:
+def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, echo=print, progress: bool = True) -> dict:
     """Build a general and per-speaker datastore from the sample corpus, show one query, and benchmark
     autoregressive decoding against each acceptance policy on `limit` held-out sentences."""
     from ..datastore import build
@@ -24,7 +24,8 @@ def demo(out_dir="runs/demo", limit: int = 6, threads: int = 2, echo=print, prog
     echo(f"Building a general and per-speaker datastore from {SAMPLE_CORPUS.name} into {store} ...")
     datastore = build(SAMPLE_CORPUS, store, per_speaker=True, faiss=True, force=True, progress=progress)
     info = datastore.info()
-    echo(json.dumps({k: info[k] for k in ("tokens", "utterances", "speakers") if k in info}, default=str))
+    echo(f"{info['utterances']} utterances, {info['tokens']} tokens, {len(info['speakers'])} speaker stores, "
+         f"{info['general_bytes_per_token']:.2f} bytes/token (general exact store)")
 
     first = json.loads(SAMPLE_PROMPTS.read_text(encoding="utf-8").splitlines()[0])
     context = first["reference_tokens"][:50]
