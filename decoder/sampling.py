@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -117,22 +118,29 @@ class RAS:
         """(ids, probabilities) of the nucleus, probabilities not renormalised (multinomial does that)."""
         values, ids = probs.sort(descending=True, stable=True)
         head = values[: self.top_k]
-        # the running sum before each token, accumulated in the same order as CosyVoice's loop
-        before = torch.cat([head.new_zeros(1), torch.cumsum(head, 0)[:-1]])
-        keep = max(int((before < self.top_p).sum()), 1)
+        # the running sum before each token, accumulated in the same order as CosyVoice's loop; compared in
+        # float32 like the tensor comparison it replaces (a Python loop over 25 floats beats 4 tensor ops)
+        top_p = float(np.float32(self.top_p))
+        keep = 1 if 0.0 < top_p else 0
+        for before in torch.cumsum(head, 0)[:-1].tolist():
+            if before >= top_p:
+                break
+            keep += 1
+        keep = max(keep, 1)
         return ids[:keep], head[:keep]
 
+    def _repeats(self, token: int, state: NodeState) -> bool:
+        return list(state.generated[-self.win_size:]).count(token) >= self.win_size * self.tau_r
+
     def _repeated(self, ids: torch.Tensor, state: NodeState) -> torch.Tensor:
-        window = torch.tensor(list(state.generated[-self.win_size:]), dtype=torch.long)
-        counts = (window[None, :] == ids[:, None]).sum(1) if len(window) else torch.zeros_like(ids)
-        return counts >= self.win_size * self.tau_r
+        return torch.tensor([self._repeats(token, state) for token in ids.tolist()], dtype=torch.bool)
 
     def _draw(self, probs: torch.Tensor, state: NodeState, generator: torch.Generator) -> int:
         ids, head = self._nucleus(probs)
-        token = ids[torch.multinomial(head, 1, replacement=True, generator=generator)]
-        if self._repeated(token, state).item():
-            token = torch.multinomial(probs, 1, replacement=True, generator=generator)
-        return int(token)
+        token = int(ids[torch.multinomial(head, 1, replacement=True, generator=generator)])
+        if self._repeats(token, state):
+            token = int(torch.multinomial(probs, 1, replacement=True, generator=generator))
+        return token
 
     def sample(self, logits: torch.Tensor, state: NodeState, generator: torch.Generator) -> int:
         probs = torch.softmax(logits.float(), dim=-1)
