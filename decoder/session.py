@@ -289,15 +289,12 @@ class SpeculativeSession:
         Additive, not boolean: eager attention adds the mask to the scores, so a boolean mask would be
         silently wrong there; SDPA takes either form.
         """
-        n = len(tree)
-        allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        allowed[:, 0] = True
-        allowed[1:, 1:] = torch.from_numpy(tree.mask)
-        allowed[0, 0] = True
-        dtype = self.model.dtype
-        block = torch.zeros(n + 1, n + 1, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-        prefix = torch.zeros(n + 1, self.cached, dtype=dtype)
-        return torch.cat([prefix, block], dim=1)[None, None].to(self.model.device)
+        n, dtype = len(tree), self.model.dtype
+        mask = torch.zeros(n + 1, self.cached + n + 1, dtype=dtype)  # the prefix is visible to every row
+        block = mask[:, self.cached :]
+        block[0, 1:] = torch.finfo(dtype).min  # the root sees only itself among the new tokens
+        block[1:, 1:].masked_fill_(torch.from_numpy(~tree.mask), torch.finfo(dtype).min)
+        return mask[None, None].to(self.model.device)
 
     def accept(self, verified: VerifiedTree) -> tuple[list[int], int | None]:
         """The policy's walk: accepted node indices and the bonus token (None after a stop token)."""
