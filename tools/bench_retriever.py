@@ -251,7 +251,11 @@ class SuffixSystem(System):
 
 
 def feed_suffix_cache(train: list[np.ndarray]):
-    from arctic_inference.suffix_decoding import SuffixDecodingCache
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+    except ImportError:
+        raise click.ClickException("SuffixDecoding peer missing: pip install nanobind==2.9.2 cmake ninja && "
+                                   "pip install --no-build-isolation arctic-inference==0.3.0")
 
     cache = SuffixDecodingCache(max_tree_depth=SUFFIX_DEPTH, max_cached_requests=-1)
     empty = np.zeros(0, np.int32)
