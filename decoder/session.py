@@ -289,11 +289,12 @@ class SpeculativeSession:
         Additive, not boolean: eager attention adds the mask to the scores, so a boolean mask would be
         silently wrong there; SDPA takes either form.
         """
-        n, dtype = len(tree), self.model.dtype
-        mask = torch.zeros(n + 1, self.cached + n + 1, dtype=dtype)  # the prefix is visible to every row
-        block = mask[:, self.cached :]
-        block[0, 1:] = torch.finfo(dtype).min  # the root sees only itself among the new tokens
-        block[1:, 1:].masked_fill_(torch.from_numpy(~tree.mask), torch.finfo(dtype).min)
+        n, dtype, start = len(tree), self.model.dtype, self.cached + 1
+        # built as one bool array in NumPy, then a single fill: per-op torch overhead dominates at this size
+        blocked = np.zeros((n + 1, start + n), dtype=bool)  # the prefix and the root are visible to every row
+        blocked[0, start:] = True  # the root sees no tree node
+        blocked[1:, start:] = ~tree.mask  # a node sees only itself and its ancestors
+        mask = torch.zeros(blocked.shape, dtype=dtype).masked_fill_(torch.from_numpy(blocked), torch.finfo(dtype).min)
         return mask[None, None].to(self.model.device)
 
     def accept(self, verified: VerifiedTree) -> tuple[list[int], int | None]:
@@ -303,12 +304,15 @@ class SpeculativeSession:
     def compact(self, n_nodes: int, path: list[int]) -> None:
         """Keep the root and the nodes on `path` in the cache, in order; crop the other nodes of the tree."""
         root = self.cached
-        if path != list(range(len(path))):
-            source = torch.tensor(path, device=self.model.device) + root + 1
+        # nodes already in place (path[i] == i: the path runs down the tree's first branch) need no move
+        moved = next((i for i, node in enumerate(path) if node != i), len(path))
+        if moved < len(path):
+            source = torch.tensor(path[moved:], device=self.model.device) + root + 1
+            target = slice(root + 1 + moved, root + 1 + len(path))
             for layer in self.cache.layers:
                 if layer.is_initialized and layer.keys.numel():
-                    layer.keys[..., root + 1 : root + 1 + len(path), :] = layer.keys.index_select(-2, source)
-                    layer.values[..., root + 1 : root + 1 + len(path), :] = layer.values.index_select(-2, source)
+                    layer.keys[..., target, :] = layer.keys.index_select(-2, source)
+                    layer.values[..., target, :] = layer.values.index_select(-2, source)
         if n_nodes > len(path):
             self.cache.crop(-(n_nodes - len(path)))
         self.cached = root + 1 + len(path)
