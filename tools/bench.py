@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,7 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from .quality import MelDecoder, bootstrap_ci, dtw_distance, relative_difference_ci
+from .files import atomic_file
+from .quality import bootstrap_ci, dtw_distance, relative_difference_ci
 from .tts_prompt import TTSMeta, encode_prompt
 
 POLICIES = ("exact-greedy", "exact-sampling", "filtered", "tolerance", "similarity")
@@ -94,7 +94,14 @@ class RelaxedSettings:
 
 
 def make_policy(name: str, seed: int, relaxed: RelaxedSettings):
-    from ..decoder import RAS, ExactGreedy, ExactSampling, Filtered, SimilarityGroups, Tolerance
+    from ..decoder import (
+        RAS,
+        ExactGreedy,
+        ExactSampling,
+        Filtered,
+        SimilarityGroups,
+        Tolerance,
+    )
 
     factories = {
         "exact-greedy": lambda: ExactGreedy(),
@@ -171,6 +178,7 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
     from ..decoder import SpeechVocab
     from ..decoder.scoring import mean_log_likelihood
     from ..retriever import Retriever
+    from .speech_tokenizer import SpeechTokenizer
     from .tts_prompt import META_FILE, load_sample_tts
 
     torch.set_num_threads(threads)
@@ -180,7 +188,7 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
     speech = SpeechVocab(meta.speech_offset, meta.speech_vocab_size, (meta.stop_id,))
     prompts = load_prompts(prompts_path, meta, limit)
     retriever = Retriever(store)
-    mel = MelDecoder(tokenizer) if tokenizer else None
+    mel = SpeechTokenizer.load(tokenizer).tokens_to_logmel if tokenizer else None
     relaxed = RelaxedSettings.for_vocabulary(speech.size, tau, beta, similarity)
     systems = _systems(model, retriever, speech, list(policies), list(stores), sweep_nodes, sweep_depths,
                        max_nodes, max_depth, max_new_tokens, relaxed)
@@ -271,8 +279,10 @@ def format_table(report: dict) -> str:
 def write_report(report: dict, systems: list[System], out_dir: Path) -> None:
     """bench.json, bench.md and bench.png in `out_dir`, each written to a temporary file and renamed."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out_dir / "bench.json", json.dumps(report, indent=1))
-    _atomic_write(out_dir / "bench.md", "```\n" + format_table(report) + "\n```\n")
+    with atomic_file(out_dir / "bench.json") as f:
+        json.dump(report, f, indent=1)
+    with atomic_file(out_dir / "bench.md") as f:
+        f.write("```\n" + format_table(report) + "\n```\n")
     plot(report, systems, out_dir / "bench.png")
 
 
@@ -300,15 +310,6 @@ def plot(report: dict, systems: list[System], path: Path) -> None:
     right.set(xlabel="speed-up over its baseline (median time per token)",
               ylabel="target mean log-likelihood (95% CI)", title="Speed against quality")
     fig.tight_layout()
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".png", delete=False) as tmp:
-        fig.savefig(tmp.name, dpi=110)
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp.name, path)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, encoding="utf-8") as tmp:
-        tmp.write(text)
-        tmp.flush()
-        os.fsync(tmp.fileno())
-    os.replace(tmp.name, path)

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from .files import atomic_file
 from .speech_tokenizer import DEFAULT_MEL, MelConfig, log_mel, resample, train_tokenizer
 
 APT_PACKAGES = {"espeak-ng": "espeak-ng", "flite": "flite"}
@@ -244,14 +245,9 @@ def synthesize(utt: Utterance, cfg: MelConfig = DEFAULT_MEL) -> np.ndarray:
 
 
 def _write_atomic(path: Path, lines: Iterable[str]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
+    with atomic_file(path) as f:
         for line in lines:
             f.write(line + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)  # mkstemp makes 0600; these files are shipped and shared
-    os.replace(tmp, path)
 
 
 def make_corpus(

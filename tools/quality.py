@@ -7,7 +7,6 @@ against autoregressive sampling with the same sampler, over many utterances.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from numba import njit
@@ -53,21 +52,6 @@ def relative_difference_ci(values, baseline, resamples: int = 2000, seed: int = 
     low, high = np.percentile(ratios, [2.5, 97.5])
     mean = (values.mean() - baseline.mean()) / abs(baseline.mean())
     return Interval(float(mean), float(low), float(high))
-
-
-class MelDecoder:
-    """Maps speech tokens back to log-mel frames through the k-means tokenizer's centroids."""
-
-    def __init__(self, tokenizer_path: str | Path):
-        data = np.load(tokenizer_path)
-        # Centroids live in the normalised feature space; undo the normalisation to get log-mel.
-        self.frames = data["centroids"] * data["std"] + data["mean"]
-        self.n_mels = int(data["n_mels"]) if "n_mels" in data else self.frames.shape[1]
-
-    def __call__(self, tokens) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.int64)
-        tokens = tokens[(tokens >= 0) & (tokens < len(self.frames))]
-        return np.ascontiguousarray(self.frames[tokens, : self.n_mels], dtype=np.float64)
 
 
 @njit(cache=True)

@@ -13,12 +13,12 @@ frames (for distortion measures) and new audio can be tokenized the same way.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import faiss
 import numpy as np
+
+from .files import atomic_file
 
 
 @dataclass(frozen=True)
@@ -120,14 +120,8 @@ class SpeechTokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the .npz atomically (temporary file, fsync, rename)."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
-        with os.fdopen(fd, "wb") as f:
+        with atomic_file(path, "wb") as f:
             np.savez(f, centroids=self.centroids, mean=self.mean, std=self.std, **{k: np.asarray(v) for k, v in asdict(self.cfg).items()})
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the file is shipped and shared
-        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> SpeechTokenizer:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import click
 import numpy as np
 
+from .files import atomic_file
+
 FRAME_RATE = 25  # tokens per second
 MIN_SECONDS, MAX_SECONDS = 2.0, 15.0
 
@@ -306,14 +308,10 @@ def _assemble(chunks, utt_of_slot, utt_speaker, n_tokens: int) -> Corpus:
 
 def write_jsonl(corpus: Corpus, path: str | os.PathLike) -> None:
     """One line per utterance, `{"id", "speaker", "tokens"}`; written to a temporary file and renamed."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    with atomic_file(path) as f:
         for i in range(len(corpus)):
             tokens = ",".join(map(str, corpus.utterance(i).tolist()))
             f.write(f'{{"id": {json.dumps(corpus.utterance_id(i))}, "speaker": "{corpus.speaker_name(i)}", "tokens": [{tokens}]}}\n')
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @click.command()

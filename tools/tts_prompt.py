@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from .files import atomic_file
 
 META_FILE = "echospec_tts.json"
 FORMAT = "echospec-tts/1"
@@ -65,14 +66,8 @@ class TTSMeta:
 
     def save(self, model_dir: str | os.PathLike) -> None:
         """Write META_FILE into model_dir atomically."""
-        path = Path(model_dir) / META_FILE
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with atomic_file(Path(model_dir) / META_FILE) as f:
             json.dump({**asdict(self), "stop_ids": [self.stop_id]}, f, indent=1, ensure_ascii=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the file is shipped and shared
-        os.replace(tmp, path)
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike) -> TTSMeta:

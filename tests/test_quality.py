@@ -1,0 +1,50 @@
+"""The benchmark's quality measures and the tools' atomic file writes."""
+
+import numpy as np
+import pytest
+
+from echospec.tools.files import atomic_file
+from echospec.tools.quality import bootstrap_ci, dtw_distance, relative_difference_ci
+
+
+def test_dtw_ignores_timing_but_not_content():
+    rng = np.random.default_rng(0)
+    frames = rng.normal(size=(30, 8))
+    stretched = np.repeat(frames, 2, axis=0)  # the same sounds, twice as slow
+    assert dtw_distance(frames, frames) == 0.0
+    assert dtw_distance(frames, stretched) == pytest.approx(0.0)
+    other = rng.normal(size=(30, 8))
+    assert dtw_distance(frames, other) > 1.0
+    assert dtw_distance(frames, frames[:0]) == np.inf
+
+
+def test_bootstrap_interval_brackets_the_mean_and_shrinks_with_data():
+    rng = np.random.default_rng(1)
+    small, large = rng.normal(5, 1, 20), rng.normal(5, 1, 2000)
+    a, b = bootstrap_ci(small), bootstrap_ci(large)
+    assert a.low < a.mean < a.high and b.low < b.mean < b.high
+    assert (b.high - b.low) < (a.high - a.low) / 5
+    assert b.low < 5 < b.high
+
+
+def test_relative_difference_is_paired_by_utterance():
+    rng = np.random.default_rng(2)
+    baseline = rng.normal(-2, 1, 100)  # utterances differ a lot; the policy's effect is a steady -10%
+    values = baseline * 1.1
+    change = relative_difference_ci(values, baseline)
+    assert change.mean == pytest.approx(-0.1, abs=1e-9)
+    assert change.low < change.mean < change.high and change.high - change.low < 0.05
+    assert np.isnan(relative_difference_ci([1.0], [1.0, 2.0]).mean)
+
+
+def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "report.json"
+    with atomic_file(target) as f:
+        f.write("first")
+    assert target.read_text() == "first" and oct(target.stat().st_mode & 0o777) == "0o644"
+    with pytest.raises(RuntimeError):
+        with atomic_file(target) as f:
+            f.write("half")
+            raise RuntimeError("interrupted")
+    assert target.read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
