@@ -385,15 +385,19 @@ class SpeculativeSession:
     def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 5) -> CostCurve:
         """Forward time of a verify step against tree size, on the live cache (cropped back after each).
 
-        Sizes are timed round-robin after a warm-up round, so a noisy moment hits every size alike; the
+        Sizes are timed round-robin after a warm-up round, so a noisy moment hits every size alike, in a
+        fresh order each round: a size timed right after the largest one runs slower (measured: the
+        one-token step by 10-20%), and a fixed order put that on the one-token step every round. The
         curve keeps each size's median time and is made non-decreasing (more tokens never cost less).
         """
         sizes = [s for s in sizes if self.cached + s < self.max_positions]
         chains = [CandidateTree.from_sequences([[0] * n], max_nodes=n, max_depth=n) for n in sizes]
         forwards = self.stats.target_forwards
         times = [[] for _ in sizes]
+        orders = np.random.default_rng(0)
         for _ in range(repeats + 1):
-            for i, chain in enumerate(chains):
+            for i in orders.permutation(len(chains)).tolist():
+                chain = chains[i]
                 start = time.perf_counter()
                 self.verify(chain)
                 times[i].append(time.perf_counter() - start)
