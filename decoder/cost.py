@@ -51,12 +51,17 @@ class NodeBudget:
     S(n) is the summed path probability of the tree's n most probable nodes (the expected accepted
     length if the probabilities were calibrated); c calibrates them: accepted over predicted length,
     decayed so it follows the current utterance, starting from an optimistic prior so trees are tried.
+    t(n) is the curve's forward time, scaled by what whole steps have actually cost against it, apart
+    for steps with and without a tree: the curve is measured once, at the first prompt's length, and
+    leaves out the tree mask, the policy's walk and the cache compaction, while a tree step's forward
+    grows faster with the context than a one-token step's does.
     """
 
     def __init__(self, curve: CostCurve, max_nodes: int, prior: float = 1.0, prior_weight: float = 2.0,
-                 decay: float = 0.9):
-        self.curve, self.max_nodes, self.decay = curve, max_nodes, decay
+                 decay: float = 0.9, cost_decay: float = 0.95):
+        self.curve, self.max_nodes, self.decay, self.cost_decay = curve, max_nodes, decay, cost_decay
         self.accepted, self.predicted = prior * prior_weight, prior_weight
+        self._step_cost = {False: [0.0, 0.0], True: [0.0, 0.0]}  # tree step? -> decayed [measured, curve] seconds
 
     @property
     def calibration(self) -> float:
@@ -67,8 +72,23 @@ class NodeBudget:
             return 0
         mass = np.concatenate([[0.0], np.cumsum(tree.probs[order[: self.max_nodes]])])
         nodes = np.arange(len(mass))
-        rate = (1.0 + self.calibration * mass) / (self.curve.time(nodes) + propose_seconds)
+        rate = (1.0 + self.calibration * mass) / (self.step_time(nodes) + propose_seconds)
         return int(np.argmax(rate))
+
+    def step_time(self, nodes) -> np.ndarray:
+        """Expected seconds of a step verifying `nodes` tree nodes (the curve, scaled by the steps seen)."""
+        nodes = np.asarray(nodes)
+        return self.curve.time(nodes) * np.where(nodes > 0, self._scale(True), self._scale(False))
+
+    def observe_step(self, nodes: int, seconds: float) -> None:
+        """A step verifying `nodes` tree nodes took `seconds` from the forward to the compaction."""
+        measured, expected = self._step_cost[nodes > 0]
+        self._step_cost[nodes > 0] = [self.cost_decay * measured + seconds,
+                                      self.cost_decay * expected + float(self.curve.time(nodes))]
+
+    def _scale(self, tree: bool) -> float:
+        measured, expected = self._step_cost[tree]
+        return measured / expected if expected else 1.0
 
     def observe(self, predicted: float, accepted: int) -> None:
         self.accepted = self.decay * self.accepted + accepted

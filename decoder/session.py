@@ -328,6 +328,7 @@ class SpeculativeSession:
             self.finished = True
             return []
         tree = self.propose()
+        start = time.perf_counter()
         verified = self.verify(tree)
         path, bonus = self.accept(verified)
         if self._shadow and self._shadow[-1][0] == len(self.generated):
@@ -335,6 +336,8 @@ class SpeculativeSession:
         emitted = self._emit([verified.tokens[i] for i in path] + ([] if bonus is None else [bonus]))
         # the cache holds every emitted token but the last: fewer emitted (a stop, the length limit) keep fewer
         self.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
+        if self.budget is not None:
+            self.budget.observe_step(len(tree), time.perf_counter() - start)
         self.stats.accepted_lengths.append(len(path))
         self.stats.node_budgets.append(len(tree))
         self._score_shadow_trees()
