@@ -163,7 +163,8 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
         for depth in sweep_depths:
             if (nodes, depth) != (max_nodes, max_depth):
                 name = f"{sweep_policy}/{stores[0]}/n{nodes}d{depth}"
-                systems.append(System(name, baseline, None, echospec(sweep_policy, stores[0], nodes, depth)))
+                lossless = baseline if sweep_policy.startswith("exact") else None
+                systems.append(System(name, baseline, lossless, echospec(sweep_policy, stores[0], nodes, depth)))
     return systems
 
 
