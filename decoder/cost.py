@@ -58,8 +58,9 @@ class NodeBudget:
     """
 
     def __init__(self, curve: CostCurve, max_nodes: int, prior: float = 1.0, prior_weight: float = 2.0,
-                 decay: float = 0.9, cost_decay: float = 0.95):
+                 decay: float = 0.9, cost_decay: float = 0.95, calibrate_costs: bool = True):
         self.curve, self.max_nodes, self.decay, self.cost_decay = curve, max_nodes, decay, cost_decay
+        self.calibrate_costs = calibrate_costs  # False: the curve is authoritative (given by the caller)
         self.accepted, self.predicted = prior * prior_weight, prior_weight
         self._step_cost = {False: [0.0, 0.0], True: [0.0, 0.0]}  # tree step? -> decayed [measured, curve] seconds
 
@@ -82,12 +83,16 @@ class NodeBudget:
 
     def observe_step(self, nodes: int, seconds: float) -> None:
         """A step verifying `nodes` tree nodes took `seconds` from the forward to the compaction."""
+        if not self.calibrate_costs:
+            return
         measured, expected = self._step_cost[nodes > 0]
         self._step_cost[nodes > 0] = [self.cost_decay * measured + seconds,
                                       self.cost_decay * expected + float(self.curve.time(nodes))]
 
     def _scale(self, tree: bool) -> float:
         measured, expected = self._step_cost[tree]
+        if not expected:  # a kind of step not seen yet is taken to be off the curve as much as the other
+            measured, expected = self._step_cost[not tree]  # (else unseen one-token steps look dear)
         return measured / expected if expected else 1.0
 
     def observe(self, predicted: float, accepted: int) -> None:

@@ -371,7 +371,8 @@ class SpeculativeSession:
         return emitted
 
     def _start_budget(self) -> None:
-        if self.cost_curve is None:
+        measured = self.cost_curve is None  # a curve the caller gives is taken as it is, never rescaled
+        if measured:
             self.cost_curve = _CURVES.get(self.model) or self.measure_cost_curve()
             _CURVES[self.model] = self.cost_curve
         self.stats.cost_curve = self.cost_curve.to_dict()
@@ -382,7 +383,8 @@ class SpeculativeSession:
             budgets = {}
         self.budget = budgets.get(type(self.policy))
         if self.budget is None or self.budget.curve is not self.cost_curve:
-            self.budget = budgets[type(self.policy)] = NodeBudget(self.cost_curve, AUTO_MAX_NODES)
+            self.budget = budgets[type(self.policy)] = NodeBudget(self.cost_curve, AUTO_MAX_NODES,
+                                                                  calibrate_costs=measured)
 
     @torch.no_grad()
     def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 5) -> CostCurve:

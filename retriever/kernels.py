@@ -324,7 +324,7 @@ def gather_exact(ctx, g_tokens, g_sa, g_first, s_tokens, s_sa, s_first, use_spea
 @njit(cache=True, nogil=True)
 def finish(conts, stats, weights, max_nodes):
     """Weigh the rows and build the tree. Rows are pooled: each counts its source's weight times
-    the source's match length, so a node's probability is the trusted share of all gathered
+    the source's match length, so a node's probability is the weighted share of all gathered
     continuations that pass through it."""
     n_rows = stats[3, 0] + stats[3, 1]
     wcount = np.zeros(n_rows, np.float64)

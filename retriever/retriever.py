@@ -47,19 +47,6 @@ DEFAULT_WEIGHTS = (1.0, 1.0, 1.0, 0.5)
 FAISS neighbours only approximately share the context, so they count half."""
 
 
-_TREE_FIELDS = ("tokens", "parents", "depths", "counts", "probs", "sources")
-
-
-def _trusted_tree(arrays) -> CandidateTree:
-    """A CandidateTree from kernel output, skipping __post_init__'s checks (4 of a proposal's ~20 us):
-    `kernels.build_tree` emits equal-length arrays in topological order by construction, and the
-    property tests hold it to that."""
-    tree = object.__new__(CandidateTree)
-    for name, value in zip(_TREE_FIELDS, arrays):
-        object.__setattr__(tree, name, value)
-    return tree
-
-
 class Retriever:
     """Proposes candidate trees from a datastore. Deterministic; thread-safe (calls share nothing
     mutable, and the kernels release the GIL).
@@ -131,4 +118,4 @@ class Retriever:
             positions = faiss.search(ctx, self.faiss_k)
             m = kernels.gather_positions(g[0], positions, self.vocab_size, conts, stats[3, 0])
             stats[3, 1:] = (m, 1, m)
-        return _trusted_tree(kernels.finish(conts, stats, self.weights, max_nodes))
+        return CandidateTree.trusted(kernels.finish(conts, stats, self.weights, max_nodes))

@@ -169,3 +169,14 @@ def test_with_the_real_retriever(model, tmp_path):
                           speech=SpeechVocab(0, VOCAB))
     assert result.tokens == corpus[3]["tokens"][6:]
     assert result.stats.tokens_per_forward > 2 and result.stats.retriever_errors == 0
+
+
+def test_budget_scaling_seen_on_tree_steps_only_keeps_trees_and_plain_steps_comparable():
+    curve = CostCurve([0, 1, 2, 4, 8], [1e-3 * (1 + 0.2 * n) for n in (0, 1, 2, 4, 8)])
+    budget = NodeBudget(curve, max_nodes=8, prior=0.0)
+    for _ in range(5):
+        budget.observe_step(4, 0.5 * float(curve.time(4)))  # tree steps ran at half the curve's time
+        budget.observe(predicted=1.0, accepted=0)  # and nothing was ever accepted
+    assert budget.step_time([0, 4]).tolist() == pytest.approx([0.5e-3, 0.9e-3])
+    tree = CandidateTree.from_sequences([[1, 2, 3], [4, 5]], max_nodes=8)
+    assert budget.choose(tree, prune_order(tree), propose_seconds=1e-5) == 0
