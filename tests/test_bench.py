@@ -63,3 +63,13 @@ def test_bench_needs_an_echospec_checkpoint(sample_store, tmp_path):
     result = CliRunner().invoke(main, ["bench", str(tmp_path), "--store", str(sample_store),
                                        "--prompts", str(SAMPLE_PROMPTS)])
     assert result.exit_code == 1 and "echospec_tts.json" in result.output
+
+
+def test_demo_builds_queries_and_benchmarks(tmp_path):
+    out = tmp_path / "demo"
+    result = CliRunner().invoke(main, ["demo", "--out", str(out), "--limit", "1"])
+    assert result.exit_code == 0, result.output
+    assert "speaker stores" in result.output and "candidate nodes" in result.output
+    report = json.loads((out / "bench.json").read_text())
+    assert {"filtered/speaker", "tolerance/general", "similarity/speaker"} <= set(report["systems"])
+    assert (out / "store" / "catalog.sqlite").exists() and (out / "bench.png").exists()
