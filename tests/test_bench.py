@@ -73,3 +73,16 @@ def test_demo_builds_queries_and_benchmarks(tmp_path):
     report = json.loads((out / "bench.json").read_text())
     assert {"filtered/speaker", "tolerance/general", "similarity/speaker"} <= set(report["systems"])
     assert (out / "store" / "catalog.sqlite").exists() and (out / "bench.png").exists()
+
+
+def test_bench_and_demo_turn_bad_paths_into_messages(tmp_path):
+    not_a_store = tmp_path / "empty"
+    not_a_store.mkdir()
+    result = CliRunner().invoke(main, ["bench", str(SAMPLE_MODEL_DIR), "--store", str(not_a_store),
+                                       "--prompts", str(SAMPLE_PROMPTS)])
+    assert result.exit_code == 1 and "not a datastore" in result.output
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    result = CliRunner().invoke(main, ["demo", "--out", str(blocked / "demo")])
+    assert result.exit_code == 1 and "Error:" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import click
 
+from ..datastore import DatastoreError
 from .bench import POLICIES, BenchError, bench, format_table
 from .cli import main
+
+USER_ERRORS = (BenchError, DatastoreError, ValueError, OSError)
+"""What a bad checkpoint, store, prompts file or output folder raises: a message, not a traceback."""
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -56,7 +60,7 @@ def bench_command(checkpoint, store, prompts, tokenizer, policies, stores, nodes
                        sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,), limit=limit,
                        max_new_tokens=max_new_tokens, threads=threads, seed=seed, tau=tau, beta=beta,
                        similarity=similarity, out_dir=out_dir)
-    except (BenchError, ValueError, OSError) as e:
+    except USER_ERRORS as e:
         raise click.ClickException(str(e)) from None
     click.echo(format_table(report))
     click.echo(f"\nWrote {out_dir}/bench.json, bench.md and bench.png")
@@ -71,4 +75,7 @@ def demo_command(out_dir, limit, threads):
     """The embedded default: build stores from the shipped sample, query, and benchmark every policy."""
     from .demo import demo
 
-    demo(out_dir=out_dir, limit=limit, threads=threads, echo=click.echo)
+    try:
+        demo(out_dir=out_dir, limit=limit, threads=threads, echo=click.echo)
+    except USER_ERRORS as e:
+        raise click.ClickException(str(e)) from None
