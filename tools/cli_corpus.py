@@ -34,7 +34,7 @@ def make_corpus(out_dir, speakers, text_files, utterances_per_speaker, n_prompts
             seed=seed,
             jobs=jobs,
         )
-    except (EngineMissingError, SynthesisError, ValueError) as e:
+    except (EngineMissingError, SynthesisError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps({k: manifest[k] for k in ("utterances", "prompts", "tokens", "unique_texts", "vocab_size")}))
 
@@ -60,6 +60,6 @@ def train_model(corpus_dir, out_dir, steps, batch_size, lr, hidden, layers, head
                       max_minutes=max_minutes, threads=threads, seed=seed)  # fmt: skip
     try:
         report = run(corpus_dir, out_dir, cfg)
-    except (TrainingDataError, ValueError) as e:
+    except (TrainingDataError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(json.dumps(report, indent=2))
