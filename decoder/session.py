@@ -420,7 +420,7 @@ class SpeculativeSession:
         while self._shadow:
             start, tree, predicted, accepted = self._shadow[0]
             continuation = self.generated[start:]
-            depth = _matched_depth(tree, continuation, self.speech.offset)
+            depth = tree.matched_depth(np.asarray(continuation) - self.speech.offset)
             if depth == len(continuation) and depth < tree.max_depth and not self.finished:
                 return
             self._shadow.popleft()
@@ -429,16 +429,6 @@ class SpeculativeSession:
 
 _CURVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its measured CostCurve
 _BUDGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # retriever -> {policy class: NodeBudget}
-
-
-def _matched_depth(tree: CandidateTree, continuation: list[int], offset: int) -> int:
-    node, depth = -1, 0
-    for token in continuation:
-        nxt = [c for c in tree.children(node) if int(tree.tokens[c]) + offset == token]
-        if not nxt:
-            break
-        node, depth = nxt[0], depth + 1
-    return depth
 
 
 def _check_batch(shape, dims: int, name: str) -> None:

@@ -20,6 +20,18 @@ SOURCES = ("prompt", "speaker", "general", "faiss")
 FIELDS = ("tokens", "parents", "depths", "counts", "probs", "sources")
 
 
+def matched_depth(tokens: np.ndarray, parents: np.ndarray, sequence) -> int:
+    """Length of the longest root path of the tree (`tokens`, `parents`) equal to a prefix of `sequence`:
+    what an exact verifier would accept if `sequence` is what the target says next."""
+    node, depth = -1, 0
+    for token in sequence:
+        hit = np.flatnonzero((parents == node) & (tokens == token))
+        if not len(hit):
+            break
+        node, depth = int(hit[0]), depth + 1
+    return depth
+
+
 @dataclass(frozen=True, eq=False)
 class CandidateTree:
     tokens: np.ndarray  # int64[N]   store-local speech ids
@@ -63,6 +75,10 @@ class CandidateTree:
             chain = np.flatnonzero(self.mask[leaf])  # ancestors are in topological order
             paths[row, : len(chain)] = chain
         return paths
+
+    def matched_depth(self, sequence) -> int:
+        """How many tokens of `sequence` the tree proposes in order (its longest matching root path)."""
+        return matched_depth(self.tokens, self.parents, sequence)
 
     def children(self, node: int) -> np.ndarray:
         """Indices of `node`'s children (node -1 is the root)."""

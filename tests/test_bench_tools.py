@@ -161,7 +161,7 @@ def test_longest_match_and_counts_agree_with_brute_force(case):
 
 def test_oracle_accepts_the_longest_matching_path():
     from echospec.retriever.tree import CandidateTree
-    from echospec.tools.bench_retriever import accepted
+    from echospec.retriever.tree import matched_depth as accepted
 
     tree = CandidateTree.from_sequences([[5, 6, 7], [5, 6, 8, 9], [4]], max_nodes=16)
     assert accepted(tree.tokens, tree.parents, np.array([5, 6, 8, 9, 1])) == 4
@@ -169,6 +169,7 @@ def test_oracle_accepts_the_longest_matching_path():
     assert accepted(tree.tokens, tree.parents, np.array([6])) == 0
     assert accepted(tree.tokens, tree.parents, np.array([5, 6])) == 2  # truth ends inside the tree
     assert accepted(np.zeros(0, np.int64), np.zeros(0, np.int32), np.array([1])) == 0
+    assert tree.matched_depth([5, 6, 8, 9, 1]) == 4
 
 
 def test_latency_contexts_cover_utterances_in_order():

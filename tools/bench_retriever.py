@@ -46,6 +46,7 @@ from pathlib import Path  # noqa: E402
 import click  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ..retriever.tree import matched_depth  # noqa: E402
 from .rest_reference import RestReference  # noqa: E402
 from .synth_corpus import SynthConfig, generate, write_jsonl  # noqa: E402
 
@@ -312,17 +313,6 @@ def measure_latency(systems: list[System], contexts, warmup: int, rounds: int) -
     return result
 
 
-def accepted(tokens: np.ndarray, parents: np.ndarray, truth: np.ndarray) -> int:
-    """Length of the longest root path of the tree equal to a prefix of `truth`."""
-    node, depth = -1, 0
-    while depth < len(truth):
-        hit = np.flatnonzero((parents == node) & (tokens == truth[depth]))
-        if not len(hit):
-            break
-        node, depth = int(hit[0]), depth + 1
-    return depth
-
-
 def oracle_walk(system: System, held: list[np.ndarray]) -> dict:
     per_utt_tokens, per_utt_steps, accepted_drafts, sizes, times = [], [], [], [], []
     for u, utterance in enumerate(held):
@@ -330,7 +320,7 @@ def oracle_walk(system: System, held: list[np.ndarray]) -> dict:
         while pos < len(utterance):
             elapsed, _, tokens, parents = system.step(u, pos)
             times.append(elapsed)
-            a = accepted(tokens, parents, utterance[pos:])
+            a = matched_depth(tokens, parents, utterance[pos:])
             accepted_drafts.append(a)
             sizes.append(len(tokens))
             pos += min(a + 1, len(utterance) - pos)

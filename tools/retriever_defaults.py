@@ -25,24 +25,13 @@ from echospec.retriever import Retriever
 from echospec.tools.synth_corpus import SynthConfig, generate
 
 
-def accepted(tree, target: np.ndarray) -> int:
-    """Tokens of `target` the tree proposes in order (the longest matching root-to-node path)."""
-    node, depth = -1, 0
-    while depth < len(target):
-        match = np.flatnonzero((tree.parents == node) & (tree.tokens == target[depth]))
-        if not match.size:
-            break
-        node, depth = int(match[0]), depth + 1
-    return depth
-
-
 def replay(retriever: Retriever, requests, prompt_tokens: int = 150) -> float:
     steps = tokens = 0
     for prompt, speaker, utt in requests:
         t = 0
         while t < len(utt):
             ctx = np.concatenate([prompt[-prompt_tokens:], utt[:t]]).astype(np.int64)
-            t += accepted(retriever.propose(ctx, speaker=speaker), utt[t:]) + 1
+            t += retriever.propose(ctx, speaker=speaker).matched_depth(utt[t:]) + 1
             steps += 1
         tokens += len(utt)
     return tokens / steps
