@@ -260,7 +260,7 @@ class SpeculativeSession:
         return tree if len(keep) == len(tree) else subtree(tree, keep)
 
     def _fit_budget(self, tree: CandidateTree, cap: int, propose_seconds: float) -> CandidateTree:
-        if not len(tree):
+        if not len(tree) or (self.budget is None and len(tree) <= cap):
             return tree
         order = prune_order(tree)
         if self.budget is not None:

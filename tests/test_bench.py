@@ -9,8 +9,8 @@ from echospec.tools.cli import main
 from echospec.tools.demo import SAMPLE_CORPUS, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
 from echospec.tools.tts_prompt import SAMPLE_MODEL_DIR
 
-SYSTEM_FIELDS = {"baseline", "tokens_per_forward", "time_per_token_ms", "speedup", "lm_rtf", "new_tokens",
-                 "log_likelihood", "mel_distortion", "accepted_lengths"}
+SYSTEM_FIELDS = {"baseline", "tokens_per_forward", "time_per_token_ms", "speedup", "forward_cost_speedup", "lm_rtf",
+                 "new_tokens", "log_likelihood", "mel_distortion", "accepted_lengths"}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,15 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
     for name in ("exact-sampling/speaker", "exact-sampling/general", "exact-sampling/speaker/n4d8"):
         assert systems[name]["identical_to_baseline"] == 1.0, name
     assert systems["ar-sampling"]["mel_distortion"] is not None
+    # the verify-cost curve spans every tree size run, and what it predicts is 1 for autoregressive systems
+    curve = report["verify_cost_curve"]
+    assert curve["sizes"][0] == 0 and curve["sizes"][-1] == 16 and curve["relative"][0] == 1.0
+    assert curve["relative"] == sorted(curve["relative"]) and curve["context_tokens"] > 0
+    assert systems["autoregressive"]["forward_cost_speedup"] == systems["ar-sampling"]["forward_cost_speedup"] == 1.0
+    assert systems["hf-prompt-lookup"]["forward_cost_speedup"] is None  # its candidate lengths are not visible
+    sampling = systems["exact-sampling/speaker"]
+    assert 0 < sampling["forward_cost_speedup"] <= sampling["tokens_per_forward"]  # tree forwards never cost less
+    assert "verify-cost curve" in result.output
     assert (out / "bench.png").stat().st_size > 10_000 and (out / "bench.md").exists()
     assert "exact-greedy/speaker" in result.output
 

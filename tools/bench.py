@@ -132,7 +132,8 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
             out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(speech.stop_ids),
                                  pad_token_id=speech.stop_ids[0], attention_mask=torch.ones_like(ids), **extra)
             seconds = time.perf_counter() - start
-            return out[0, len(prompt.input_ids):].tolist(), forwards[0], seconds, []
+            tree_sizes = None if extra else []  # prompt lookup's candidate lengths are not seen from outside
+            return out[0, len(prompt.input_ids):].tolist(), forwards[0], seconds, [], tree_sizes
         return run
 
     def echospec(policy, store, nodes, depth):
@@ -142,7 +143,7 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
                               speaker=prompt.speaker if store == "speaker" else None,
                               max_new_tokens=max_new_tokens, max_nodes=nodes, max_depth=depth)
             stats = result.stats
-            return result.tokens, stats.target_forwards, stats.wall_seconds, stats.accepted_lengths
+            return result.tokens, stats.target_forwards, stats.wall_seconds, stats.accepted_lengths, stats.node_budgets
         return run
 
     systems = [
@@ -166,6 +167,29 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
                 lossless = baseline if sweep_policy.startswith("exact") else None
                 systems.append(System(name, baseline, lossless, echospec(sweep_policy, stores[0], nodes, depth)))
     return systems
+
+
+def verify_cost_curve(model, speech, prompts: list[Prompt], largest: int, context: int = 150):
+    """This machine's forward time against tree size for `model`, relative to a one-token step.
+
+    Measured mid-utterance (the prompt plus up to `context` tokens of its reference speech), since a tree
+    forward's cost grows with the context faster than a one-token step's. Returns (curve, context length).
+    """
+    from ..decoder import ExactGreedy, SpeculativeSession
+    from ..decoder.cost import CURVE_SIZES
+
+    prompt = max(prompts, key=lambda p: len(p.reference or ()))
+    ids = prompt.input_ids + speech.to_model((prompt.reference or [])[:context])
+    session = SpeculativeSession(model, None, ExactGreedy(), speech, max_new_tokens=1)
+    session.prefill(input_ids=ids)
+    sizes = sorted({s for s in CURVE_SIZES if s < largest} | {largest})
+    return session.measure_cost_curve(sizes, repeats=20), len(ids)
+
+
+def _nodes(max_nodes: int | str) -> int:
+    from ..decoder.session import AUTO_MAX_NODES
+
+    return AUTO_MAX_NODES if max_nodes == "auto" else int(max_nodes)
 
 
 def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
@@ -196,22 +220,27 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
 
     for system in systems:  # warm-up: first calls pay for lazy initialisation and numba compilation
         system.run(prompts[0], seed)
+    curve, curve_context = verify_cost_curve(model, speech, prompts, max(_nodes(n) for n in [max_nodes, *sweep_nodes]))
     rows = {s.name: [] for s in systems}
     for i, prompt in enumerate(tqdm(prompts, desc="bench", unit="utt", disable=not progress)):
         order = systems[i % len(systems):] + systems[: i % len(systems)]
         for system in order:
-            tokens, forwards, seconds, accepted = system.run(prompt, seed + i)
+            tokens, forwards, seconds, accepted, tree_sizes = system.run(prompt, seed + i)
             system.accepted.extend(accepted)
             speech_tokens = speech.to_local(tokens)
             rows[system.name].append({
                 "prompt": prompt.id, "tokens": tokens, "new_tokens": len(tokens), "forwards": forwards,
                 "seconds": seconds, "time_per_token": seconds / max(len(tokens), 1),
+                # the prefill, then each step's forward in one-token-step units of this machine's curve
+                "forward_cost": None if tree_sizes is None else
+                1 + float(np.sum(curve.time(tree_sizes))) / curve.seconds[0] if tree_sizes else float(max(forwards, 1)),
                 "log_likelihood": mean_log_likelihood(model, prompt.input_ids, tokens),
                 "mel_distortion": (dtw_distance(mel(speech_tokens), mel(prompt.reference))
                                    if mel is not None and prompt.reference and speech_tokens else None),
             })
     report = summarise(systems, rows, token_rate=meta.frame_rate)
     report["machine"] = {"threads": threads, "torch": torch.__version__, "cpus": os.cpu_count()}
+    report["verify_cost_curve"] = curve.to_dict() | {"context_tokens": curve_context}
     report["setup"] = {"checkpoint": str(checkpoint), "store": str(store), "prompts": str(prompts_path),
                        "utterances": len(prompts), "max_nodes": max_nodes, "max_depth": max_depth, "seed": seed,
                        "relaxed": asdict(relaxed)}
@@ -223,6 +252,8 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
 def summarise(systems: list[System], rows: dict, token_rate: float) -> dict:
     """Per-system medians, ratios to the baseline, tokens per forward and quality intervals."""
     median_tpt = {name: float(np.median([r["time_per_token"] for r in runs])) for name, runs in rows.items()}
+    tokens_per_cost = {name: sum(r["new_tokens"] for r in runs) / sum(r["forward_cost"] for r in runs)
+                       for name, runs in rows.items() if all(r["forward_cost"] is not None for r in runs)}
     summary = {}
     for system in systems:
         runs = rows[system.name]
@@ -232,6 +263,9 @@ def summarise(systems: list[System], rows: dict, token_rate: float) -> dict:
             "tokens_per_forward": sum(r["new_tokens"] for r in runs) / max(sum(r["forwards"] for r in runs), 1),
             "time_per_token_ms": {"median": 1e3 * median_tpt[system.name], "min": 1e3 * min(tpt), "max": 1e3 * max(tpt)},
             "speedup": median_tpt[system.baseline] / median_tpt[system.name],
+            # what the forwards alone predict on this machine (retriever, mask, walk and cache work free)
+            "forward_cost_speedup": (tokens_per_cost[system.name] / tokens_per_cost[system.baseline]
+                                     if system.name in tokens_per_cost else None),
             "lm_rtf": float(np.median([r["time_per_token"] * token_rate for r in runs])),
             "new_tokens": sum(r["new_tokens"] for r in runs),
             "log_likelihood": bootstrap_ci([r["log_likelihood"] for r in runs]).to_dict(),
@@ -263,17 +297,27 @@ def format_table(report: dict) -> str:
         ci = entry.get("relative_change", {}).get(measure)
         return f"{100 * ci['mean']:+5.1f}% [{100 * ci['ci95'][0]:+5.1f},{100 * ci['ci95'][1]:+5.1f}]" if ci else "-"
 
-    header = (f"{'system':32} {'tok/fwd':>7} {'TPT ms':>7} {'speed-up':>8} {'LM RTF':>6} {'log-lik':>7} "
+    header = (f"{'system':32} {'tok/fwd':>7} {'TPT ms':>7} {'speed-up':>8} {'fwd-cost':>8} {'LM RTF':>6} {'log-lik':>7} "
               f"{'vs baseline':>21} {'mel-DTW':>7} {'vs baseline':>21} {'same':>5}")
     lines = [header, "-" * len(header)]
     for name, s in report["systems"].items():
         mel = s["mel_distortion"]
         same = s.get("identical_to_baseline")
+        predicted = s.get("forward_cost_speedup")
         lines.append(
             f"{name:32} {s['tokens_per_forward']:7.2f} {s['time_per_token_ms']['median']:7.2f} {s['speedup']:7.2f}x "
+            f"{'-' if predicted is None else f'{predicted:.2f}x':>8} "
             f"{s['lm_rtf']:6.3f} {s['log_likelihood']['mean']:7.3f} {change(s, 'log_likelihood'):>21} "
             f"{mel['mean'] if mel else float('nan'):7.2f} {change(s, 'mel_distortion'):>21} "
             f"{'-' if same is None else f'{same:.2f}':>5}")
+    curve = report.get("verify_cost_curve")
+    if curve:
+        points = ", ".join(f"{n}: {r:.2f}" for n, r in zip(curve["sizes"], curve["relative"]))
+        lines += ["",
+                  (f"verify-cost curve (tree nodes: forward time / one-token step, {curve['context_tokens']}-token "
+                   f"context): {points}"),
+                  ("fwd-cost: the speed-up this curve predicts from the steps' tree sizes alone; tok/fwd: the speed-up "
+                   "where a tree forward costs one step")]
     return "\n".join(lines)
 
 
@@ -288,13 +332,13 @@ def write_report(report: dict, systems: list[System], out_dir: Path) -> None:
 
 
 def plot(report: dict, systems: list[System], path: Path) -> None:
-    """Left: accepted tree nodes per step for each echospec system. Right: speed-up against quality."""
+    """Accepted tree nodes per step for each echospec system; speed-up against quality; the verify-cost curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5))
+    fig, (left, right, cost) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [3, 3, 2]})
     colors = plt.get_cmap("tab20")
     for i, system in enumerate(systems):
         color = colors(i % 20)
@@ -310,6 +354,12 @@ def plot(report: dict, systems: list[System], path: Path) -> None:
     right.legend(fontsize=7)
     right.set(xlabel="speed-up over its baseline (median time per token)",
               ylabel="target mean log-likelihood (95% CI)", title="Speed against quality")
+    curve = report.get("verify_cost_curve")
+    if curve:
+        cost.plot(curve["sizes"], curve["relative"], marker="o", label="this machine")
+        cost.axhline(1.0, color="grey", linestyle="--", label="flat (a GPU, roughly)")
+        cost.legend(fontsize=7)
+    cost.set(xlabel="tree nodes verified", ylabel="forward time / one-token step", title="Verify-cost curve")
     fig.tight_layout()
     with atomic_file(path, "wb") as f:
         fig.savefig(f, format="png", dpi=110)
