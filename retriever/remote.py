@@ -20,6 +20,7 @@ import http.client
 import json
 import socket
 import ssl
+import struct
 import threading
 import time
 from typing import Sequence
@@ -248,12 +249,17 @@ class _Connection:
     """One kept-alive HTTP/1.1 connection. A request leaves in one send on a TCP_NODELAY socket
     (http.client sends headers and body separately, and Nagle's algorithm may hold the second
     segment back until the first is acknowledged); the answer is parsed by httptools, uvicorn's C
-    parser (content-length or chunked), at a fraction of http.client's header-parsing cost."""
+    parser (content-length or chunked), at a fraction of http.client's header-parsing cost.
+
+    The socket is blocking with the kernel's send and receive timeouts (SO_SNDTIMEO, SO_RCVTIMEO),
+    set again only when the timeout changes: a request is then two system calls, send and recv.
+    Python's own socket timeout would add a poll() before each of them and an ioctl per request."""
 
     def __init__(self, host: str, port: int, tls: ssl.SSLContext | None):
         self.host, self.port, self.tls = host, port, tls
         self.host_header = f"Host: {host}:{port}\r\n"
         self.sock: socket.socket | None = None
+        self.timeout: float | None = None  # the kernel timeouts now set on sock
         self.opened = 0  # sockets opened so far: stays 1 while keep-alive works
 
     @property
@@ -262,36 +268,53 @@ class _Connection:
 
     def request(self, method: str, path: str, body: bytes | None, headers: dict, timeout: float) -> tuple[int, bytes]:
         if self.sock is None:
-            sock = socket.create_connection((self.host, self.port), timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sock = self.tls.wrap_socket(sock, server_hostname=self.host) if self.tls else sock
-            self.opened += 1
-        self.sock.settimeout(timeout)
+            self._open(timeout)
+        if timeout != self.timeout:
+            _set_kernel_timeouts(self.sock, timeout)
+            self.timeout = timeout
         body = body or b""
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        self.sock.sendall(f"{method} {path} HTTP/1.1\r\n{self.host_header}Content-Length: {len(body)}\r\n{head}\r\n"
-                          .encode("latin-1") + body)
         answer = _Answer()
         parser = answer.parser = httptools.HttpResponseParser(answer)
         received = False
-        while not answer.complete:
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise (http.client.IncompleteRead(b"") if received else
-                       http.client.RemoteDisconnected("the service closed the connection without an answer"))
-            received = True
-            try:
-                parser.feed_data(data)
-            except httptools.HttpParserError as e:
-                raise http.client.HTTPException(f"malformed answer: {e}") from None
+        try:
+            self.sock.sendall(f"{method} {path} HTTP/1.1\r\n{self.host_header}Content-Length: {len(body)}\r\n"
+                              f"{head}\r\n".encode("latin-1") + body)
+            while not answer.complete:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    raise (http.client.IncompleteRead(b"") if received else
+                           http.client.RemoteDisconnected("the service closed the connection without an answer"))
+                received = True
+                try:
+                    parser.feed_data(data)
+                except httptools.HttpParserError as e:
+                    raise http.client.HTTPException(f"malformed answer: {e}") from None
+        except BlockingIOError:  # what a kernel timeout looks like on a blocking socket
+            raise TimeoutError(f"timed out: no answer within {timeout} s") from None
         if not answer.keep_alive:
             self.close()
         return parser.get_status_code(), b"".join(answer.body)
+
+    def _open(self, timeout: float) -> None:
+        sock = socket.create_connection((self.host, self.port), timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = self.tls.wrap_socket(sock, server_hostname=self.host) if self.tls else sock
+        self.sock.settimeout(None)  # blocking from now on: the kernel timeouts take over
+        self.timeout = None
+        self.opened += 1
 
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+def _set_kernel_timeouts(sock: socket.socket, timeout: float) -> None:
+    microseconds = max(1, round(timeout * 1e6))  # a zero timeval would mean "wait forever"
+    timeval = struct.pack("ll", *divmod(microseconds, 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 class _Answer:

@@ -16,8 +16,9 @@ import struct
 from typing import Sequence
 
 import numpy as np
+from numba import njit
 
-from .tree import CandidateTree
+from .tree import SOURCES, CandidateTree
 
 BINARY = "application/x-echospec"
 JSON = "application/json"
@@ -27,6 +28,7 @@ TREE_COLUMNS = (("tokens", np.int64), ("parents", np.int32), ("depths", np.int32
 """CandidateTree's arrays in wire order, with their in-memory dtypes (little-endian on the wire)."""
 _LITTLE = {dtype: np.dtype(dtype).newbyteorder("<") for _, dtype in TREE_COLUMNS}
 _U32 = struct.Struct("<I")
+_TREE_BYTES_PER_NODE = sum(np.dtype(dtype).itemsize for _, dtype in TREE_COLUMNS)
 
 
 class WireError(ValueError):
@@ -39,18 +41,22 @@ def encode_contexts(contexts: Sequence[Sequence[int] | np.ndarray]) -> bytes:
     for a in arrays:
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
             raise ValueError(f"a context must be a 1-D sequence of integer ids, got {a.dtype} of shape {a.shape}")
-        if a.size and (a.min() < -2**31 or a.max() >= 2**31):
-            raise ValueError("context ids must fit in int32")
-    lengths = np.array([a.size for a in arrays], "<u4")
-    tokens = np.concatenate(arrays).astype("<i4") if arrays else np.zeros(0, "<i4")
-    return _U32.pack(len(arrays)) + lengths.tobytes() + tokens.tobytes()
+    tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else np.zeros(0, "<i4")
+    if tokens.size and not _fits_int32(tokens):
+        raise ValueError("context ids must fit in int32")
+    lengths = _U32.pack(len(arrays[0])) if len(arrays) == 1 else np.array([a.size for a in arrays], "<u4").tobytes()
+    return _U32.pack(len(arrays)) + lengths + tokens.astype("<i4").tobytes()
 
 
 def decode_contexts(body: bytes, max_batch: int) -> list[np.ndarray]:
     """Unpack `encode_contexts`'s bytes into int64 arrays; the length must match exactly."""
     n = _count(body, max_batch, "contexts")
-    lengths = np.frombuffer(body, "<u4", n, 4).astype(np.int64)
-    expected = 4 + 4 * n + 4 * int(lengths.sum())
+    if n == 1:  # the common case, without array arithmetic on the header
+        total = _U32.unpack_from(body, 4)[0]
+    else:
+        lengths = np.frombuffer(body, "<u4", n, 4).astype(np.int64)
+        total = int(lengths.sum())
+    expected = 4 + 4 * n + 4 * total
     if len(body) != expected:
         raise WireError(f"binary contexts: body has {len(body)} bytes, its header says {expected}")
     tokens = np.frombuffer(body, "<i4", offset=4 + 4 * n).astype(np.int64)
@@ -68,23 +74,51 @@ def encode_trees(trees: Sequence[CandidateTree]) -> bytes:
 
 
 def decode_trees(body: bytes) -> list[CandidateTree]:
-    """Unpack `encode_trees`'s bytes; each tree gets its own arrays in the CandidateTree dtypes."""
+    """Unpack `encode_trees`'s bytes; each tree gets its own arrays in the CandidateTree dtypes.
+
+    The bytes come from the network, so every tree is checked (`tree_is_valid`) before it is trusted."""
     n = _count(body, None, "trees")
-    sizes = np.frombuffer(body, "<u4", n, 4).astype(np.int64)
-    total = int(sizes.sum())
-    expected = 4 + 4 * n + total * sum(np.dtype(dtype).itemsize for _, dtype in TREE_COLUMNS)
+    sizes = [_U32.unpack_from(body, 4)[0]] if n == 1 else np.frombuffer(body, "<u4", n, 4).astype(np.int64)
+    total = int(sizes[0]) if n == 1 else int(sizes.sum())
+    expected = 4 + 4 * n + total * _TREE_BYTES_PER_NODE
     if len(body) != expected:
         raise WireError(f"binary trees: body has {len(body)} bytes, its header says {expected}")
-    offset, columns = 4 + 4 * n, {}
-    for name, dtype in TREE_COLUMNS:
+    offset, columns = 4 + 4 * n, []
+    for _, dtype in TREE_COLUMNS:
         array = np.frombuffer(body, _LITTLE[dtype], total, offset)
         offset += array.nbytes
-        columns[name] = array.astype(dtype)  # native byte order, a writable copy
+        columns.append(array.astype(dtype))  # native byte order, a writable copy
     if n == 1:
-        return [CandidateTree(**columns)]
-    bounds = np.cumsum(sizes)[:-1]
-    split = {name: np.split(a, bounds) if n else [] for name, a in columns.items()}
-    return [CandidateTree(**{name: split[name][i] for name in split}) for i in range(n)]
+        trees = [columns]
+    else:
+        bounds = np.cumsum(sizes)[:-1]
+        trees = list(zip(*(np.split(column, bounds) for column in columns))) if n else []
+    for i, (tokens, parents, depths, counts, probs, sources) in enumerate(trees):
+        if not tree_is_valid(parents, depths, sources, len(SOURCES)):
+            raise WireError(f"binary trees: tree {i} is malformed (a parent after its child, a depth that is "
+                            f"not its parent's + 1, or an unknown source)")
+    return [CandidateTree.trusted(columns) for columns in trees]
+
+
+@njit(cache=True, nogil=True)
+def tree_is_valid(parents, depths, sources, n_sources):
+    """What CandidateTree promises, in one pass: parents come first (-1 = the root), each depth is its
+    parent's + 1, sources index SOURCES."""
+    for i in range(parents.shape[0]):
+        parent = parents[i]
+        if parent < -1 or parent >= i or sources[i] >= n_sources:
+            return False
+        if depths[i] != (1 if parent < 0 else depths[parent] + 1):
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _fits_int32(ids):
+    for x in ids:
+        if x < -2**31 or x >= 2**31:
+            return False
+    return True
 
 
 def _count(body: bytes, limit: int | None, what: str) -> int:

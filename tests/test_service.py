@@ -6,6 +6,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ from service_testing import API_KEY, VOCAB, Server, copy_store, make_store, post
 
 from echospec.retriever import Retriever
 from echospec.retriever.remote import RemoteRetriever, RetrieverUnavailable
-from echospec.retriever.wire import BINARY, decode_trees, encode_contexts
+from echospec.retriever.tree import FIELDS, CandidateTree
+from echospec.retriever.wire import BINARY, WireError, decode_contexts, decode_trees, encode_contexts, encode_trees
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +108,26 @@ def test_remote_retriever_equals_in_process(server, store, corpus, payload):
             remote.propose([1, 2, VOCAB])
         with pytest.raises(ValueError, match="unknown_speaker"):
             remote.propose([1, 2], speaker="nobody")
+
+
+def test_wire_round_trip_and_malformed_trees(store, corpus):
+    """Any number of trees survives the trip; a tree that breaks CandidateTree's promises does not."""
+    local = Retriever(store)
+    for n in range(4):  # 1 is the header fast path; 2 leaves the token column unaligned in the body
+        trees = [local.propose(c, speaker=s) for c, s in contexts_of(corpus, n, seed=n)]
+        assert [t.to_dict() for t in decode_trees(encode_trees(trees))] == [t.to_dict() for t in trees]
+    tree = local.propose(contexts_of(corpus, 1)[0][0])
+    assert len(tree) >= 3
+    for field, index, value in (("parents", 1, 1), ("parents", 2, 5), ("parents", 1, -2), ("depths", 0, 2),
+                                ("depths", 2, 9), ("sources", 1, 4)):
+        broken = {name: getattr(tree, name).copy() for name in FIELDS}
+        broken[field][index] = value
+        with pytest.raises(WireError, match="malformed"):
+            decode_trees(encode_trees([CandidateTree.trusted([broken[name] for name in FIELDS])]))
+    contexts = decode_contexts(encode_contexts([np.array([2**31 - 1, 0]), [], np.array([-5], np.int8)]), 3)
+    assert [c.tolist() for c in contexts] == [[2**31 - 1, 0], [], [-5]] and contexts[0].dtype == np.int64
+    with pytest.raises(ValueError, match="int32"):
+        encode_contexts([np.array([1, 2**31])])
 
 
 def run_clients(url: str, store, cases, n_clients: int, per_client: int) -> None:
@@ -293,6 +315,79 @@ def test_enroll_append_replace_and_atomic_swap(server, store, corpus):
     answer = writer.enroll("carol", first[:2], replace=True)
     assert answer["utterances"] == 2 and remote.info()["speakers"]["carol"]["utterances"] == 2
     assert remote.propose(context, speaker="carol").to_dict() == Retriever(store).propose(context, "carol").to_dict()
+
+
+def raw_exchange(port: int, data: bytes, answers: int) -> list[bytes]:
+    """Send `data` as is on a fresh connection; read until `answers` complete responses (content-length) are in."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        received = b""
+        while True:
+            out, rest = [], received
+            while b"\r\n\r\n" in rest:
+                head, _, rest = rest.partition(b"\r\n\r\n")
+                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length:")), b"0"))
+                if len(rest) < length:
+                    break
+                out.append(head + b"\r\n\r\n" + rest[:length])
+                rest = rest[length:]
+            if len(out) >= answers:
+                return out
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed after {received!r}"
+            received += chunk
+
+
+def writes_so_far(pid: int) -> int:
+    """Write system calls a process has made (Linux /proc/PID/io)."""
+    lines = (Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(dict(line.split(": ") for line in lines)["syscw"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/PID/io")
+def test_a_proposal_leaves_the_service_in_one_write(server, remote):
+    """Head and body of each answer go out together (OneWriteHttpToolsProtocol): one send system call
+    and one TCP segment per proposal, where plain uvicorn makes two."""
+    remote.propose([1, 2, 3])
+    before = writes_so_far(server.process.pid)
+    for _ in range(50):
+        remote.propose([1, 2, 3])
+    assert writes_so_far(server.process.pid) - before <= 52  # 100 with uvicorn's own cycle
+
+
+def test_head_pipelined_and_expect_continue_requests_are_answered(server):
+    """The response kinds OneWriteHttpToolsProtocol must not break: a HEAD (head, no body), pipelined
+    requests (answered in order, one connection), `Expect: 100-continue` (the interim answer goes first)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            chunk = sock.recv(65536)
+            assert chunk
+            head += chunk
+        assert head.startswith(b"HTTP/1.1 ") and b"content-length:" in head  # FastAPI answers HEAD with 405
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # the same connection goes on
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    body = json.dumps({"context": [1, 2, 3]}).encode()
+    propose = (b"POST /v1/stores/voices/propose HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    answers = raw_exchange(server.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + propose + b"GET /nothing "
+                           b"HTTP/1.1\r\nHost: x\r\n\r\n" + propose, 4)
+    assert [a[:12] for a in answers] == [b"HTTP/1.1 200", b"HTTP/1.1 200", b"HTTP/1.1 404", b"HTTP/1.1 200"]
+    assert b'"tree"' in answers[1] and answers[1] == answers[3]
+    expect = propose.replace(b"Host: x\r\n", b"Host: x\r\nExpect: 100-continue\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        head, _, body_ = expect.partition(b"\r\n\r\n")
+        sock.sendall(head + b"\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(body_)
+        answer = b""
+        while b'"tree"' not in answer:
+            chunk = sock.recv(65536)
+            assert chunk
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200")
 
 
 def test_metrics(server):
