@@ -37,8 +37,11 @@ import re
 import tempfile
 import threading
 import time
+from bisect import bisect_left
+from collections import defaultdict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import parse_qsl
@@ -47,7 +50,9 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -64,6 +69,8 @@ API_KEY_ENV = "ECHOSPEC_API_KEY"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """Store and speaker names: no slash, no leading dot, no `..`, at most 64 characters."""
 MAX_ID_LENGTH = 256
+MAX_PARSED_QUERIES = 4096  # distinct propose query strings whose parse is kept
+_BINARY = BINARY.encode()
 
 
 @dataclass(frozen=True)
@@ -178,43 +185,63 @@ LATENCY_BUCKETS = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.
 
 
 class Metrics:
-    """The service's Prometheus metrics, in a registry of its own (one per Service)."""
+    """The service's Prometheus metrics, in a registry of its own (one per Service).
+
+    Requests, latency, errors and proposal counts are tallied in plain dicts and turned into metric
+    families only when scraped: prometheus_client's own metrics take a lock per update, and a proposal
+    made five updates. Every tally is written and read on the event loop (the /metrics route is async),
+    so needs no lock."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("echospec_requests", "HTTP requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.latency = Histogram("echospec_request_seconds", "Request latency, body read to response sent",
-                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.errors = Counter("echospec_errors", "Error responses by endpoint and error code",
-                              ["endpoint", "code"], registry=r)
-        self.contexts = Counter("echospec_proposed_contexts", "Contexts answered by propose", ["store"], registry=r)
-        self.nodes = Counter("echospec_proposed_nodes", "Tree nodes returned by propose", ["store"], registry=r)
-        self.enrollments = Counter("echospec_enrollments", "Acknowledged enrollments", ["store"], registry=r)
-        self.store = {field: Gauge(f"echospec_store_{field}", help_, ["store"], registry=r) for field, help_ in (
+        self.requests: dict[tuple[str, str], int] = defaultdict(int)  # (endpoint, status)
+        self.latency: dict[str, list[float]] = {}  # endpoint: a count per bucket, then the sum
+        self.errors: dict[tuple[str, str], int] = defaultdict(int)  # (endpoint, code)
+        self.contexts: dict[str, int] = defaultdict(int)  # store
+        self.nodes: dict[str, int] = defaultdict(int)  # store
+        self.enrollments: dict[str, int] = defaultdict(int)  # store
+        self.store = {field: Gauge(f"echospec_store_{field}", help_, ["store"], registry=self.registry)
+                      for field, help_ in (
             ("tokens", "Tokens in the general store"), ("utterances", "Utterances in the general store"),
             ("speakers", "Enrolled speakers"), ("exact_bytes", "Bytes of all exact stores"),
             ("faiss_bytes", "Bytes of the FAISS store"))}
-
-        self._children: dict[tuple, Any] = {}
-
-    def child(self, metric, *labels):
-        """`metric.labels(*labels)`, cached: labels() takes a lock and builds a key on every call."""
-        key = (metric, labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
+        self.registry.register(self)  # collect() below
 
     def observe(self, endpoint: str, status: int, seconds: float) -> None:
-        self.child(self.requests, endpoint, str(status)).inc()
-        self.child(self.latency, endpoint).observe(seconds)
+        self.requests[endpoint, str(status)] += 1
+        counts = self.latency.get(endpoint)
+        if counts is None:
+            counts = self.latency[endpoint] = [0] * (len(LATENCY_BUCKETS) + 1) + [0.0]
+        counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        counts[-1] += seconds
 
     def set_store(self, name: str, info: dict) -> None:
         values = {**info, "speakers": len(info.get("speakers", {}))}
         for field, gauge in self.store.items():
             gauge.labels(name).set(values.get(field) or 0)
+
+    def collect(self):
+        """The tallies as metric families (prometheus_client's Collector protocol)."""
+        yield _counter("echospec_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                       self.requests)
+        latency = HistogramMetricFamily("echospec_request_seconds", "Request latency, body read to response sent",
+                                        labels=["endpoint"])
+        bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]
+        for endpoint, counts in self.latency.items():
+            latency.add_metric([endpoint], list(zip(bounds, accumulate(counts[:-1]))), counts[-1])
+        yield latency
+        yield _counter("echospec_errors", "Error responses by endpoint and error code", ["endpoint", "code"],
+                       self.errors)
+        yield _counter("echospec_proposed_contexts", "Contexts answered by propose", ["store"], self.contexts)
+        yield _counter("echospec_proposed_nodes", "Tree nodes returned by propose", ["store"], self.nodes)
+        yield _counter("echospec_enrollments", "Acknowledged enrollments", ["store"], self.enrollments)
+
+
+def _counter(name: str, help_: str, labels: list[str], tally: dict) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_, labels=labels)
+    for key, value in tally.items():
+        family.add_metric(key if isinstance(key, tuple) else (key,), value)
+    return family
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,6 +302,7 @@ class Service:
         self.limits, self.reload_interval = limits, reload_interval
         self.api_key = api_key.encode() if api_key else None
         self.metrics = Metrics()
+        self._parsed_queries: dict[bytes, dict] = {}
         self.stores = {name: StoreHandle(name, path, dict(retriever_options or {}))
                        for name, path in zip(stores, paths, strict=True)}
         for name, handle in self.stores.items():
@@ -305,13 +333,13 @@ class Service:
             else:
                 await self.api(scope, _replay(body, receive), send_tracked)
         except ServiceError as e:
-            self.metrics.child(self.metrics.errors, endpoint, e.code).inc()
+            self.metrics.errors[endpoint, e.code] += 1
             await _send_error(send_tracked, e)
         except _ClientGone:
             status = 499
         except Exception:
             log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
-            self.metrics.child(self.metrics.errors, endpoint, "internal").inc()
+            self.metrics.errors[endpoint, "internal"] += 1
             if status is None:
                 await _send_error(send_tracked, ServiceError(500, "internal", "internal error (see the service log)"))
         finally:
@@ -333,7 +361,7 @@ class Service:
     async def _propose(self, store: str, scope, body: bytes, send) -> None:
         snapshot = self._store(store).snapshot  # read once: an enrollment may swap it meanwhile
         content_type = (_header(scope, b"content-type") or b"").split(b";")[0].strip()
-        if content_type == BINARY.encode():
+        if content_type == _BINARY:
             try:
                 contexts = decode_contexts(body, self.limits.max_batch)
             except WireError as e:
@@ -348,10 +376,10 @@ class Service:
                                f"propose takes application/json or {BINARY}, not {given!r}")
         speaker, max_nodes, max_depth = self._check_options(snapshot, **options)
         trees = self._propose_all(snapshot, contexts, speaker, max_nodes, max_depth)
-        self.metrics.child(self.metrics.contexts, store).inc(len(trees))
-        self.metrics.child(self.metrics.nodes, store).inc(sum(len(t) for t in trees))
-        if content_type == BINARY.encode():
-            await _send(send, 200, encode_trees(trees), BINARY.encode())
+        self.metrics.contexts[store] += len(trees)
+        self.metrics.nodes[store] += sum(len(t) for t in trees)
+        if content_type == _BINARY:
+            await _send(send, 200, encode_trees(trees), _BINARY)
         else:
             payload = {"tree": trees[0].to_dict()} if single else {"trees": [t.to_dict() for t in trees]}
             await _send(send, 200, json.dumps(payload, separators=(",", ":")).encode(), b"application/json")
@@ -375,17 +403,14 @@ class Service:
         return contexts, options, single
 
     def _query_options(self, scope) -> dict:
-        options: dict[str, Any] = {}
-        query = scope["query_string"].decode("latin-1")
-        for key, value in parse_qsl(query, keep_blank_values=True) if query else ():
-            if key == "speaker":
-                options[key] = value
-            elif key in ("max_nodes", "max_depth"):
-                if not (value.isascii() and value.isdigit()) or len(value) > 9:
-                    raise ServiceError(422, "invalid_request", f"{key} must be an integer >= 0, got {value!r}")
-                options[key] = int(value)
-            else:
-                raise ServiceError(422, "invalid_request", f"unknown query parameter {key!r}")
+        """The binary propose's options, parsed once per distinct query string: workers send the same
+        few (one per speaker and budget) over and over."""
+        query = scope["query_string"]
+        options = self._parsed_queries.get(query)
+        if options is None:
+            options = _parse_query(query)  # raises for a bad one: nothing is kept
+            if len(self._parsed_queries) < MAX_PARSED_QUERIES:
+                self._parsed_queries[query] = options
         return options
 
     def _check_options(self, snapshot: Snapshot, speaker=None, max_nodes=None, max_depth=None):
@@ -472,14 +497,14 @@ class Service:
             return await self._enroll(store, speaker, request)
 
         @api.get("/metrics")
-        def metrics() -> Response:
+        async def metrics() -> Response:  # async: on the event loop, where the tallies are written
             """Prometheus text format."""
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         return api
 
     def _error_response(self, request: Request, error: ServiceError) -> JSONResponse:
-        self.metrics.child(self.metrics.errors, _route(request.url.path)[0], error.code).inc()
+        self.metrics.errors[_route(request.url.path)[0], error.code] += 1
         return JSONResponse(_error_body(error), status_code=error.status)
 
     def _describe(self, handle: StoreHandle) -> dict:
@@ -495,7 +520,7 @@ class Service:
         self._check_utterances(request.utterances, handle.snapshot)
         utterances = [u.model_dump() for u in request.utterances]
         snapshot = await run_in_threadpool(handle.enroll, speaker, utterances, request.replace)
-        self.metrics.enrollments.labels(store).inc()
+        self.metrics.enrollments[store] += 1
         self.metrics.set_store(store, snapshot.info)
         return {"store": store, "speaker": speaker, "replace": request.replace,
                 "enrolled": len(utterances), **snapshot.info["speakers"][speaker]}
@@ -530,6 +555,21 @@ def _route(path: str):
         if match:
             return endpoint, match
     return "other", None
+
+
+def _parse_query(query: bytes) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    text = query.decode("latin-1")
+    for key, value in parse_qsl(text, keep_blank_values=True) if text else ():
+        if key == "speaker":
+            options[key] = value
+        elif key in ("max_nodes", "max_depth"):
+            if not (value.isascii() and value.isdigit()) or len(value) > 9:
+                raise ServiceError(422, "invalid_request", f"{key} must be an integer >= 0, got {value!r}")
+            options[key] = int(value)
+        else:
+            raise ServiceError(422, "invalid_request", f"unknown query parameter {key!r}")
+    return options
 
 
 def _header(scope, name: bytes) -> bytes | None:

@@ -28,6 +28,7 @@ TREE_COLUMNS = (("tokens", np.int64), ("parents", np.int32), ("depths", np.int32
 """CandidateTree's arrays in wire order, with their in-memory dtypes (little-endian on the wire)."""
 _LITTLE = {dtype: np.dtype(dtype).newbyteorder("<") for _, dtype in TREE_COLUMNS}
 _U32 = struct.Struct("<I")
+_ONE_TREE = struct.Struct("<II")  # n = 1, then its size
 _TREE_BYTES_PER_NODE = sum(np.dtype(dtype).itemsize for _, dtype in TREE_COLUMNS)
 
 
@@ -65,10 +66,14 @@ def decode_contexts(body: bytes, max_batch: int) -> list[np.ndarray]:
 
 def encode_trees(trees: Sequence[CandidateTree]) -> bytes:
     """Pack trees column by column after a `u32 n | u32 sizes[n]` header."""
+    if len(trees) == 1:  # the common case, without concatenating
+        (tree,) = trees
+        return b"".join([_ONE_TREE.pack(1, len(tree)), *(getattr(tree, name).astype(_LITTLE[dtype], copy=False)
+                                                           .tobytes() for name, dtype in TREE_COLUMNS)])
     parts = [_U32.pack(len(trees)), np.array([len(t) for t in trees], "<u4").tobytes()]
     for name, dtype in TREE_COLUMNS:
         column = [getattr(t, name) for t in trees]
-        joined = column[0] if len(column) == 1 else np.concatenate(column) if column else np.zeros(0, dtype)
+        joined = np.concatenate(column) if column else np.zeros(0, dtype)
         parts.append(joined.astype(_LITTLE[dtype], copy=False).tobytes())
     return b"".join(parts)
 
