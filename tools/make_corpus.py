@@ -255,7 +255,7 @@ def make_corpus(
     sentences: Sequence[str] | None = None,
     speakers: Sequence[Speaker] = DEFAULT_SPEAKERS,
     utterances_per_speaker: int = 400,
-    n_prompts: int = 60,
+    n_prompts: int = 120,
     vocab_size: int = 512,
     seed: int = 0,
     jobs: int = 1,
