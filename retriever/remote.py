@@ -33,6 +33,7 @@ from .tree import CandidateTree
 from .wire import BINARY, JSON, WireError, decode_trees, encode_contexts
 
 PAYLOADS = ("binary", "json")
+MAX_KEPT_PATHS = 1024
 
 
 class RetrieverUnavailable(RuntimeError):
@@ -120,6 +121,7 @@ class RemoteRetriever:
         self._connections: list[_Connection] = []
         self._connections_lock = threading.Lock()
         self._vocab_size: int | None = None
+        self._paths: dict[tuple, str] = {}  # (speaker, max_nodes, max_depth): binary propose path
 
     # -- the Retriever interface --
 
@@ -134,18 +136,26 @@ class RemoteRetriever:
     def propose_batch(self, contexts: Sequence, speaker: str | None = None, max_nodes: int | None = None,
                       max_depth: int | None = None, timeout: float | None = None) -> list[CandidateTree]:
         """One tree per context, in one request."""
-        options = {k: v for k, v in (("speaker", speaker), ("max_nodes", max_nodes), ("max_depth", max_depth))
-                   if v is not None}
         if self.payload == "binary":
-            query = f"?{urlencode(options)}" if options else ""
-            _, data = self._call("POST", f"{self._prefix}/propose{query}", encode_contexts(contexts), BINARY, timeout)
+            path = self._paths.get((speaker, max_nodes, max_depth)) or self._binary_path(speaker, max_nodes, max_depth)
+            _, data = self._call("POST", path, encode_contexts(contexts), BINARY, timeout)
             try:
                 return decode_trees(data)
             except WireError as e:
                 raise RetrieverUnavailable(f"{self.url}: malformed propose answer ({e})") from None
+        options = _options(speaker, max_nodes, max_depth)
         body = json.dumps({"contexts": [np.asarray(c).tolist() for c in contexts], **options}).encode()
         _, data = self._call("POST", f"{self._prefix}/propose", body, JSON, timeout)
         return [CandidateTree.from_dict(t) for t in json.loads(data)["trees"]]
+
+    def _binary_path(self, speaker, max_nodes, max_depth) -> str:
+        """The binary propose's path, options in the query string; kept per option set (a worker sends
+        the same few over and over)."""
+        options = _options(speaker, max_nodes, max_depth)
+        path = f"{self._prefix}/propose" + (f"?{urlencode(options)}" if options else "")
+        if len(self._paths) < MAX_KEPT_PATHS:
+            self._paths[speaker, max_nodes, max_depth] = path
+        return path
 
     @property
     def vocab_size(self) -> int:
@@ -333,6 +343,11 @@ class _Answer:
     def on_message_complete(self) -> None:
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()  # only valid here: the parser resets after
+
+
+def _options(speaker, max_nodes, max_depth) -> dict:
+    return {k: v for k, v in (("speaker", speaker), ("max_nodes", max_nodes), ("max_depth", max_depth))
+            if v is not None}
 
 
 def _error(data: bytes) -> dict:

@@ -187,11 +187,12 @@ def start_service(store_dir: Path, store_name: str, port: int) -> subprocess.Pop
 # Where the time goes: py-spy samples of the service, grouped
 
 CATEGORIES = (  # first match wins, checked from the innermost frame outwards
+    ("response write: loopback send, waking the client (and waiting while it runs)", ("_HeldWrites.flush",)),
     ("retriever: propose (numba kernels, tree)", ("retriever/retriever.py", "retriever/tree.py")),
     ("wire: decode contexts / encode trees", ("retriever/wire.py",)),
-    ("metrics (prometheus_client)", ("prometheus_client",)),
+    ("metrics (prometheus_client)", ("prometheus_client", "Metrics.")),
+    ("uvicorn + httptools: HTTP parsing, response", ("uvicorn/", "httptools", "_OneWriteCycle", "OneWriteHttpTools")),
     ("service: routing, body, validation", ("retriever/service.py",)),
-    ("uvicorn + httptools: HTTP parsing, response", ("uvicorn/", "httptools")),
     ("event loop (uvloop/asyncio), socket I/O", ("uvloop", "asyncio/", "selectors")),
 )
 
