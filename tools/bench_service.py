@@ -7,6 +7,9 @@ that alternate A B C D (rotated every round, after a warm-up of each):
   binary       RemoteRetriever, raw little-endian arrays (the client default)
   json         RemoteRetriever, JSON bodies
   httpx        httpx.Client posting the same binary bodies (single contexts only), to justify the client
+  floor        RemoteRetriever against the HTTP stack alone: uvicorn with the service's protocol, answering
+               every request with the same typical tree (single contexts only). Its CPU per request is the
+               floor under the service's; the difference is the service's own work
 Reported per cell: requests/s, contexts/s and p50/p99/min/max latency, as the median over rounds (and the
 min/max of each over rounds), and where the time goes per request: client CPU and service CPU (user and
 system, from os.times and /proc) and the service's own handling time (its /metrics latency histogram:
@@ -48,7 +51,8 @@ from pathlib import Path  # noqa: E402
 import click  # noqa: E402
 import numpy as np  # noqa: E402
 
-MODES = ("inproc", "binary", "json", "httpx")
+MODES = ("inproc", "binary", "json", "httpx", "floor")
+SINGLE_ONLY = ("httpx", "floor")  # modes measured for one-context requests only
 WARMUP_CALLS = 200
 
 
@@ -183,6 +187,46 @@ def start_service(store_dir: Path, store_name: str, port: int) -> subprocess.Pop
     raise SystemExit("the service did not come up within 120 s")
 
 
+def serve_floor(port: int, answer: bytes) -> None:
+    """The HTTP stack alone: uvicorn as `serve` runs it, answering every POST with `answer`."""
+    import uvicorn
+
+    from ..retriever.service import OneWriteHttpToolsProtocol
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        body = answer if scope["method"] == "POST" else b""
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/x-echospec"), (b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, server_header=False,
+                http=OneWriteHttpToolsProtocol, proxy_headers=False, lifespan="off")
+
+
+def start_floor(store_dir: str, utterances: list[dict], port: int):
+    """`serve_floor` in a forked process, answering with the tree of a typical request."""
+    from ..retriever import Retriever
+    from ..retriever.wire import encode_trees
+
+    (context, speaker), = make_requests(utterances, 1, 1, seed=0)[0]
+    answer = encode_trees([Retriever(store_dir).propose(context, speaker=speaker)])
+    proc = mp.get_context("fork").Process(target=serve_floor, args=(port, answer), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("the floor server did not come up within 30 s")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Where the time goes: py-spy samples of the service, grouped
 
@@ -295,6 +339,7 @@ def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds
     from ..datastore import build
     from .synth_corpus import SynthConfig, generate, write_jsonl
 
+    load_at_start = os.getloadavg()  # other work on the machine skews every number: say how much there was
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-service-"))
@@ -321,7 +366,7 @@ def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report["setup"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "threads_per_process": THREADS,
-                       "load_average_at_end": os.getloadavg(), "rounds": rounds, "seconds_per_cell": seconds,
+                       "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(), "rounds": rounds, "seconds_per_cell": seconds,
                        "think_ms": think_ms, "mean_context_tokens": mean_context_tokens(utterances)}
     (out / f"service{'_think' if think_ms else ''}.json").write_text(json.dumps(report, indent=1))
     print_report(report)
@@ -331,23 +376,40 @@ def run(url, server_pid, store_dir, utterances, concurrency, batches, modes, rou
     concurrency = [int(c) for c in concurrency.split(",")]
     batches = [int(b) for b in batches.split(",")]
     modes = [m for m in modes.split(",") if m]
+    targets = {m: (url, server_pid) for m in modes}  # mode: (url, pid) of the server it measures
+    floor = None
+    if "floor" in modes and 1 in batches:
+        port = free_port()
+        floor = start_floor(store_dir, utterances, port)
+        targets["floor"] = (f"http://127.0.0.1:{port}", floor.pid)
+    try:
+        return {"cells": run_cells(targets, store_dir, utterances, concurrency, batches, modes, rounds, seconds,
+                                   think)}
+    finally:
+        if floor is not None:
+            floor.terminate()
+            floor.join(10)
+
+
+def run_cells(targets, store_dir, utterances, concurrency, batches, modes, rounds, seconds, think) -> dict:
     cells = {}
     for batch in batches:
         for clients in concurrency:
             requests = [make_requests(utterances, 200, batch, seed=1000 * batch + k) for k in range(clients)]
-            cell_modes = [m for m in modes if not (m == "httpx" and batch > 1)]
+            cell_modes = [m for m in modes if not (m in SINGLE_ONLY and batch > 1)]
             runs = {m: [] for m in cell_modes}
             for r in range(rounds):
                 order = cell_modes[r % len(cell_modes):] + cell_modes[:r % len(cell_modes)]  # A B C D, B C D A, ..
                 for mode in order:
-                    runs[mode].append(run_cell(mode, clients, requests, url, "bench", store_dir, seconds, server_pid,
-                                               think))
+                    url, pid = targets[mode]
+                    runs[mode].append(run_cell("binary" if mode == "floor" else mode, clients, requests, url, "bench",
+                                               store_dir, seconds, pid, think))
                     print(f"batch {batch} clients {clients:2d} {mode:7s} round {r}: "
                           f"{runs[mode][-1]['requests_per_s']:8.0f} req/s  p50 {runs[mode][-1]['p50_ms']:.3f} ms  "
                           f"p99 {runs[mode][-1]['p99_ms']:.3f} ms", file=sys.stderr)
             for mode, results in runs.items():
                 cells[f"batch{batch}/clients{clients}/{mode}"] = summarize(results)
-    return {"cells": cells}
+    return cells
 
 
 def summarize(results: list[dict]) -> dict:
@@ -384,6 +446,14 @@ def print_report(report: dict) -> None:
               f"{cell['p99_ms']['min']:6.2f}..{cell['p99_ms']['max']:<6.2f}"
               f"   {cell['client_user_us']:5.0f}+{cell['client_system_us']:<5.0f} "
               f"{cell['server_user_us']:5.0f}+{cell['server_system_us']:<5.0f} {cell['server_app_us']:5.0f}")
+    for name, cell in report["cells"].items():
+        floor = report["cells"].get(name.replace("/binary", "/floor")) if name.endswith("/binary") else None
+        if floor:
+            service, stack = (c["server_user_us"] + c["server_system_us"] for c in (cell, floor))
+            print(f"{name.rpartition('/')[0]}: service CPU {service:.0f} us/request = {stack:.0f} HTTP stack (floor) + "
+                  f"{service - stack:.0f} the service's own work; client CPU {cell['client_user_us']:.0f}+"
+                  f"{cell['client_system_us']:.0f} us (against the floor {floor['client_user_us']:.0f}+"
+                  f"{floor['client_system_us']:.0f})")
     print("\nencode + decode, both ends, per single propose (us, median; no network):")
     for name, cell in report["codec"].items():
         print(f"  {name:12s} binary {cell['binary']['median_us']:7.1f}   json {cell['json']['median_us']:7.1f}"
@@ -393,8 +463,13 @@ def print_report(report: dict) -> None:
         for name, share in report["profile"]["share"].items():
             print(f"  {share:6.1%}  {name}")
     setup = report["setup"]
-    print(f"\nthink time {setup['think_ms']} ms; mean context {setup['mean_context_tokens']:.0f} tokens; "
-          f"load average at the end: {setup['load_average_at_end']}")
+    print(f"\nthink time {setup['think_ms']} ms; mean context {setup['mean_context_tokens']:.0f} tokens; load average "
+          f"(1, 5, 15 min) at the start: {_loads(setup['load_average_at_start'])}, at the end: "
+          f"{_loads(setup['load_average_at_end'])}")
+
+
+def _loads(loads) -> str:
+    return ", ".join(f"{x:.2f}" for x in loads)
 
 
 if __name__ == "__main__":
