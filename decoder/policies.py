@@ -3,7 +3,10 @@
 Every policy answers the same question at each visited position — given the target's logits there and the
 draft children, which child (if any) to follow, or which token to emit instead as the step's bonus token.
 The exact policies emit exactly what autoregressive decoding would; the relaxed ones accept more drafts
-and say what they trade for it.
+and say what they trade for it. The relaxed ones still decide the end of speech exactly: a stop token is
+emitted with the sampler's own probability and no draft is accepted over it. (Without that, accepting
+drafts over a likely stop made Filtered's utterances on the shipped sample 13% longer than autoregressive
+sampling's, which the log-mel distortion measured as a loss of quality.)
 """
 
 from __future__ import annotations
@@ -114,12 +117,15 @@ class Filtered(Policy):
         return rank < self.tau and bool(torch.isfinite(scores[token])) and repeats < self.win_size * self.tau_r
 
     def choose(self, logits, child_tokens, state):
+        token = self.sampler.sample(logits, state, self.generator)  # the bonus token, unless a draft passes
+        if token in state.stop_ids:  # the end of speech is decided exactly
+            return None, token
         scores = mask_stops(logits.float(), state)
         passing = [i for i, t in enumerate(child_tokens) if self._passes(scores, t, state)]
         if passing:
             best = max(passing, key=lambda i: float(scores[child_tokens[i]]))
             return best, child_tokens[best]
-        return None, self.sampler.sample(logits, state, self.generator)
+        return None, token
 
 
 class Tolerance(Policy):
@@ -142,6 +148,13 @@ class Tolerance(Policy):
 
     def choose(self, logits, child_tokens, state):
         q = self.sampler.distribution(logits, state).clone()
+        stops = list(state.stop_ids)
+        if stops:  # the end of speech is decided exactly; the rule then runs on q without the stop tokens
+            p_stop = float(q[stops].sum())
+            if p_stop > 0 and float(torch.rand(1, generator=self.generator)) < p_stop:
+                return None, stops[int(torch.multinomial(q[stops], 1, generator=self.generator))]
+            q[stops] = 0.0
+            q = q / q.sum()
         for i in sorted(range(len(child_tokens)), key=lambda i: -float(q[child_tokens[i]])):
             token = child_tokens[i]
             if float(torch.rand(1, generator=self.generator)) < float(q[token]) + self.beta:
@@ -176,7 +189,7 @@ class SimilarityGroups(Policy):
 
     def choose(self, logits, child_tokens, state):
         token = self.sampler.sample(logits, state, self.generator)
-        if not child_tokens or token in child_tokens:
+        if not child_tokens or token in child_tokens or token in state.stop_ids:  # a stop has no substitute
             return _match(child_tokens, token), token
         if self.embed is None:
             raise ValueError("SimilarityGroups needs embeddings: pass them, or use it via generate/SpeculativeSession")

@@ -171,3 +171,17 @@ def test_relaxed_policies_accept_at_least_as_much_as_exact_ones():
             accepted[name] += len(policy.walk(tree)[0])
     for relaxed in ("filtered", "tolerance", "similarity"):
         assert accepted[relaxed] > accepted["exact"], accepted
+
+
+@pytest.mark.parametrize("name", ["filtered", "tolerance", "similarity"])
+def test_relaxed_policies_decide_the_end_of_speech_exactly(name):
+    # the stop token (5) has probability 0.3; every draft would pass each relaxed rule, even over the stop
+    probs = torch.tensor([0.2, 0.2, 0.1, 0.1, 0.1, 0.3])
+    embeddings = torch.ones(6, 4)  # every token in every token's similarity group, the stop's included
+    policy = {"filtered": Filtered(tau=6, sampler=Sampler(), seed=0),
+              "tolerance": Tolerance(1.0, Sampler(), seed=0),
+              "similarity": SimilarityGroups(0.5, Sampler(), embeddings, seed=0)}[name]
+    tree, _ = verified(probs.log(), [[0], [1]], stops=(5,))
+    n = 2000
+    stopped = sum(policy.walk(tree) == ([], 5) for _ in range(n))
+    assert abs(stopped / n - 0.3) < 0.05, stopped / n  # sd 0.01: the target's own stop probability
