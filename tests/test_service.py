@@ -87,6 +87,10 @@ def test_propose_json_and_binary_equal_in_process(server, store, corpus):
                               encode_contexts(contexts), {"Content-Type": BINARY})
     assert status == 200
     assert [t.to_dict() for t in decode_trees(body)] == [local.propose(c, max_nodes=7).to_dict() for c in contexts]
+    long = [np.random.default_rng(i).integers(0, VOCAB, 2000) for i in range(10)]  # 80 kB: past the inline limit
+    status, _, body = request(server.url, "POST", "/v1/stores/voices/propose", encode_contexts(long),
+                              {"Content-Type": BINARY})
+    assert status == 200 and [t.to_dict() for t in decode_trees(body)] == [local.propose(c).to_dict() for c in long]
 
 
 @pytest.mark.parametrize("payload", ["binary", "json"])
@@ -356,38 +360,54 @@ def test_a_proposal_leaves_the_service_in_one_write(server, remote):
     assert writes_so_far(server.process.pid) - before <= 52  # 100 with uvicorn's own cycle
 
 
-def test_head_pipelined_and_expect_continue_requests_are_answered(server):
-    """The response kinds OneWriteHttpToolsProtocol must not break: a HEAD (head, no body), pipelined
-    requests (answered in order, one connection), `Expect: 100-continue` (the interim answer goes first)."""
+def propose_request(payload: str, headers: bytes = b"") -> bytes:
+    """A raw propose of the context [1, 2, 3], binary or JSON, with extra header lines."""
+    body = encode_contexts([[1, 2, 3]]) if payload == "binary" else json.dumps({"context": [1, 2, 3]}).encode()
+    content_type = BINARY.encode() if payload == "binary" else b"application/json"
+    return (b"POST /v1/stores/voices/propose HTTP/1.1\r\nHost: x\r\nContent-Type: %s\r\n%sContent-Length: %d\r\n"
+            b"\r\n%s" % (content_type, headers, len(body), body))
+
+
+def read_until(sock: socket.socket, done) -> bytes:
+    received = b""
+    while not done(received):
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed after {received!r}"
+        received += chunk
+    return received
+
+
+@pytest.mark.parametrize("payload", ["binary", "json"])
+def test_head_pipelined_expect_continue_and_close_are_answered(server, store, payload):
+    """What ServiceHttpProtocol must keep right, binary proposals being answered inline and everything
+    else by uvicorn's tasks: a HEAD (head, no body); pipelined requests mixing both paths (answered in
+    order, on one connection); `Expect: 100-continue` (the interim answer first); `Connection: close`."""
+    expected = (encode_trees([Retriever(store).propose([1, 2, 3])]) if payload == "binary" else
+                json.dumps({"tree": Retriever(store).propose([1, 2, 3]).to_dict()}, separators=(",", ":")).encode())
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        head = b""
-        while not head.endswith(b"\r\n\r\n"):
-            chunk = sock.recv(65536)
-            assert chunk
-            head += chunk
+        head = read_until(sock, lambda got: got.endswith(b"\r\n\r\n"))
         assert head.startswith(b"HTTP/1.1 ") and b"content-length:" in head  # FastAPI answers HEAD with 405
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # the same connection goes on
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
-    body = json.dumps({"context": [1, 2, 3]}).encode()
-    propose = (b"POST /v1/stores/voices/propose HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    answers = raw_exchange(server.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + propose + b"GET /nothing "
-                           b"HTTP/1.1\r\nHost: x\r\n\r\n" + propose, 4)
-    assert [a[:12] for a in answers] == [b"HTTP/1.1 200", b"HTTP/1.1 200", b"HTTP/1.1 404", b"HTTP/1.1 200"]
-    assert b'"tree"' in answers[1] and answers[1] == answers[3]
-    expect = propose.replace(b"Host: x\r\n", b"Host: x\r\nExpect: 100-continue\r\n")
+    propose, health, missing = (propose_request(payload), b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+                                b"GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n")
+    answers = raw_exchange(server.port, propose + propose + health + propose + missing + propose, 6)
+    assert [a[9:12] for a in answers] == [b"200", b"200", b"200", b"200", b"404", b"200"]
+    assert [answers[i].partition(b"\r\n\r\n")[2] for i in (0, 1, 3, 5)] == [expected] * 4
+    assert json.loads(answers[2].partition(b"\r\n\r\n")[2])["status"] == "ok"
+    head, _, body = propose_request(payload, b"Expect: 100-continue\r\n").partition(b"\r\n\r\n")
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        head, _, body_ = expect.partition(b"\r\n\r\n")
         sock.sendall(head + b"\r\n\r\n")
         assert sock.recv(65536).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
-        sock.sendall(body_)
-        answer = b""
-        while b'"tree"' not in answer:
-            chunk = sock.recv(65536)
-            assert chunk
-            answer += chunk
+        sock.sendall(body)
+        answer = read_until(sock, lambda got: got.endswith(expected))
         assert answer.startswith(b"HTTP/1.1 200")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(propose_request(payload, b"Connection: close\r\n"))
+        answer = read_until(sock, lambda got: got.endswith(expected))
+        assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer.lower()
+        assert sock.recv(65536) == b""  # closed by the service
 
 
 def test_metrics(server):

@@ -8,7 +8,7 @@ that alternate A B C D (rotated every round, after a warm-up of each):
   json         RemoteRetriever, JSON bodies
   httpx        httpx.Client posting the same binary bodies (single contexts only), to justify the client
   floor        RemoteRetriever against the HTTP stack alone: uvicorn with the service's protocol, answering
-               every request with the same typical tree (single contexts only). Its CPU per request is the
+               every propose with the same typical tree (single contexts only). Its CPU per request is the
                floor under the service's; the difference is the service's own work
 Reported per cell: requests/s, contexts/s and p50/p99/min/max latency, as the median over rounds (and the
 min/max of each over rounds), and where the time goes per request: client CPU and service CPU (user and
@@ -187,24 +187,31 @@ def start_service(store_dir: Path, store_name: str, port: int) -> subprocess.Pop
     raise SystemExit("the service did not come up within 120 s")
 
 
-def serve_floor(port: int, answer: bytes) -> None:
-    """The HTTP stack alone: uvicorn as `serve` runs it, answering every POST with `answer`."""
-    import uvicorn
+class FloorApp:
+    """The HTTP stack alone: what `serve` runs, with an app answering every request with the same bytes."""
 
-    from ..retriever.service import OneWriteHttpToolsProtocol
+    def __init__(self, answer: bytes):
+        self.answer = answer
 
-    async def app(scope, receive, send):
+    async def __call__(self, scope, receive, send):  # everything but inline proposals: GET /metrics here
         if scope["type"] != "http":
             return
         while (await receive()).get("more_body"):
             pass
-        body = answer if scope["method"] == "POST" else b""
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/x-echospec"), (b"content-length", b"%d" % len(body))]})
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, server_header=False,
-                http=OneWriteHttpToolsProtocol, proxy_headers=False, lifespan="off")
+    def answer_binary_propose(self, store, query, body, started):  # ServiceHttpProtocol's inline path
+        return 200, b"application/x-echospec", self.answer
+
+
+def serve_floor(port: int, answer: bytes) -> None:
+    import uvicorn
+
+    from ..retriever.service import ServiceHttpProtocol
+
+    uvicorn.run(FloorApp(answer), host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                server_header=False, http=ServiceHttpProtocol, proxy_headers=False, lifespan="off")
 
 
 def start_floor(store_dir: str, utterances: list[dict], port: int):
@@ -231,11 +238,13 @@ def start_floor(store_dir: str, utterances: list[dict], port: int):
 # Where the time goes: py-spy samples of the service, grouped
 
 CATEGORIES = (  # first match wins, checked from the innermost frame outwards
-    ("response write: loopback send, waking the client (and waiting while it runs)", ("_HeldWrites.flush",)),
+    ("response write: loopback send, waking the client (and waiting while it runs)",
+     ("_HeldWrites.flush", "ServiceHttpProtocol.on_message_complete")),
     ("retriever: propose (numba kernels, tree)", ("retriever/retriever.py", "retriever/tree.py")),
     ("wire: decode contexts / encode trees", ("retriever/wire.py",)),
     ("metrics (prometheus_client)", ("prometheus_client", "Metrics.")),
-    ("uvicorn + httptools: HTTP parsing, response", ("uvicorn/", "httptools", "_OneWriteCycle", "OneWriteHttpTools")),
+    ("uvicorn + httptools: HTTP parsing, response", ("uvicorn/", "httptools", "_OneWriteCycle", "HttpToolsProtocol",
+                                                      "ServiceHttpProtocol")),
     ("service: routing, body, validation", ("retriever/service.py",)),
     ("event loop (uvloop/asyncio), socket I/O", ("uvloop", "asyncio/", "selectors")),
 )
