@@ -693,7 +693,7 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
     `on_message_complete` (measured with a fixed answer), and a propose's own work is ~40 us. So a
     request that is a binary propose (POST .../propose, Content-Type application/x-echospec, a
     Content-Length of at most INLINE_BODY_LIMIT, no Expect or Transfer-Encoding header, nothing else
-    in flight on the connection) is answered by `Service.answer_binary_propose` when its body is in,
+    in flight on the connection, the client reading its answers) is answered by `Service.answer_binary_propose` when its body is in,
     head and body in one write. Everything else, JSON proposals included, takes uvicorn's path."""
 
     _inline: tuple[str, bytes, float, list[bytes]] | None = None  # (store, query, started, body parts)
@@ -733,6 +733,8 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
             return None
         if self.cycle is not None and not self.cycle.response_complete:
             return None  # an earlier request on this connection is still being answered: keep the order
+        if self.flow.write_paused:
+            return None  # the client is not reading its answers: uvicorn's path waits, and stops reading
         url = httptools.parse_url(self.url)
         match = INLINE_PROPOSE.fullmatch(url.path)
         if match is None:
