@@ -28,13 +28,13 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
         "bench", str(SAMPLE_MODEL_DIR), "--store", str(sample_store), "--prompts", str(SAMPLE_PROMPTS),
         "--tokenizer", str(SAMPLE_TOKENIZER), "--policy", "exact-greedy", "--policy", "exact-sampling",
         "--policy", "filtered", "--limit", "2", "--max-new-tokens", "40", "--threads", "1",
-        "--sweep-nodes", "4", "--out", str(out)])
+        "--sweep-nodes", "4", "--sweep-policy", "exact-sampling", "--sweep-policy", "filtered", "--out", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
     systems = report["systems"]
     expected = {"autoregressive", "hf-prompt-lookup", "ar-sampling", "exact-greedy/speaker", "exact-greedy/general",
                 "exact-sampling/speaker", "exact-sampling/general", "filtered/speaker", "filtered/general",
-                "exact-sampling/speaker/n4d8"}
+                "exact-sampling/speaker/n4d8", "filtered/speaker/n4d8"}
     assert set(systems) == expected
     for name, entry in systems.items():
         assert SYSTEM_FIELDS <= set(entry), name
@@ -65,6 +65,14 @@ def test_bench_bad_prompts_file_is_a_clear_error(sample_store, tmp_path):
                                        "--prompts", str(prompts), "--out", str(tmp_path / "o")])
     assert result.exit_code == 1
     assert "prompts.jsonl:1" in result.output and "nobody" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_bench_sweeps_only_benchmarked_policies(sample_store, tmp_path):
+    result = CliRunner().invoke(main, ["bench", str(SAMPLE_MODEL_DIR), "--store", str(sample_store), "--prompts",
+                                       str(SAMPLE_PROMPTS), "--policy", "exact-greedy", "--sweep-policy", "filtered",
+                                       "--sweep-nodes", "4", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1 and "sweep policies filtered are not among" in result.output
     assert "Traceback" not in result.output
 
 

@@ -115,8 +115,8 @@ def make_policy(name: str, seed: int, relaxed: RelaxedSettings):
     return factories[name]()
 
 
-def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_depths, max_nodes, max_depth,
-             max_new_tokens, relaxed: RelaxedSettings) -> list[System]:
+def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_depths, sweep_policies, max_nodes,
+             max_depth, max_new_tokens, relaxed: RelaxedSettings) -> list[System]:
     import torch
 
     from ..decoder import generate
@@ -158,14 +158,14 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
         lossless = baseline if policy.startswith("exact") else None
         for store in stores:
             systems.append(System(f"{policy}/{store}", baseline, lossless, echospec(policy, store, max_nodes, max_depth)))
-    sweep_policy = "exact-sampling" if "exact-sampling" in policies else policies[0]
-    baseline = "autoregressive" if sweep_policy == "exact-greedy" else "ar-sampling"
-    for nodes in sweep_nodes:
-        for depth in sweep_depths:
-            if (nodes, depth) != (max_nodes, max_depth):
-                name = f"{sweep_policy}/{stores[0]}/n{nodes}d{depth}"
-                lossless = baseline if sweep_policy.startswith("exact") else None
-                systems.append(System(name, baseline, lossless, echospec(sweep_policy, stores[0], nodes, depth)))
+    for policy in sweep_policies or ["exact-sampling" if "exact-sampling" in policies else policies[0]]:
+        baseline = "autoregressive" if policy == "exact-greedy" else "ar-sampling"
+        lossless = baseline if policy.startswith("exact") else None
+        for nodes in sweep_nodes:
+            for depth in sweep_depths:
+                if (nodes, depth) != (max_nodes, max_depth):
+                    name = f"{policy}/{stores[0]}/n{nodes}d{depth}"
+                    systems.append(System(name, baseline, lossless, echospec(policy, stores[0], nodes, depth)))
     return systems
 
 
@@ -193,7 +193,8 @@ def _nodes(max_nodes: int | str) -> int:
 
 
 def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
-          max_nodes: int | str = 16, max_depth: int = 8, sweep_nodes=(), sweep_depths=(), limit: int | None = None,
+          max_nodes: int | str = 16, max_depth: int = 8, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
+          limit: int | None = None,
           max_new_tokens: int = 400, threads: int = 1, seed: int = 0, tau: int | None = None, beta: float = 0.2,
           similarity: float = 0.3, out_dir=None, progress: bool = True) -> dict:
     """Decode `prompts_path` with every system; return (and write to `out_dir`) the report as a dict."""
@@ -206,6 +207,9 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
     from .speech_tokenizer import SpeechTokenizer
     from .tts_prompt import META_FILE, load_sample_tts
 
+    unknown = set(sweep_policies) - set(policies)
+    if unknown:
+        raise BenchError(f"sweep policies {', '.join(sorted(unknown))} are not among the benchmarked policies")
     torch.set_num_threads(threads)
     if not (Path(checkpoint) / META_FILE).exists():
         raise BenchError(f"{checkpoint} has no {META_FILE}: echospec bench needs an echospec TTS checkpoint")
@@ -216,7 +220,7 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
     mel = SpeechTokenizer.load(tokenizer).tokens_to_logmel if tokenizer else None
     relaxed = RelaxedSettings.for_vocabulary(speech.size, tau, beta, similarity)
     systems = _systems(model, retriever, speech, list(policies), list(stores), sweep_nodes, sweep_depths,
-                       max_nodes, max_depth, max_new_tokens, relaxed)
+                       list(sweep_policies), max_nodes, max_depth, max_new_tokens, relaxed)
 
     for system in systems:  # warm-up: first calls pay for lazy initialisation and numba compilation
         system.run(prompts[0], seed)

@@ -31,6 +31,8 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--depth", default=8, show_default=True, type=click.IntRange(1, 64))
 @click.option("--sweep-nodes", default="", help="Node budgets to sweep, e.g. 8,32,64.")
 @click.option("--sweep-depths", default="", help="Depths to sweep, e.g. 4,12.")
+@click.option("--sweep-policy", "sweep_policies", multiple=True, type=click.Choice(POLICIES),
+              help="Policies the sweeps run (default: exact-sampling if benchmarked, else the first policy).")
 @click.option("--limit", type=click.IntRange(1), help="Use the first N prompts.")
 @click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1),
@@ -42,7 +44,7 @@ def _ints(text: str) -> tuple[int, ...]:
               help="SimilarityGroups' cosine threshold.")
 @click.option("--out", "out_dir", default="runs/bench", show_default=True, type=click.Path(file_okay=False))
 def bench_command(checkpoint, store, prompts, tokenizer, policies, stores, nodes, depth, sweep_nodes, sweep_depths,
-                  limit, max_new_tokens, threads, seed, tau, beta, similarity, out_dir):
+                  sweep_policies, limit, max_new_tokens, threads, seed, tau, beta, similarity, out_dir):
     """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT.
 
     \b
@@ -57,7 +59,8 @@ def bench_command(checkpoint, store, prompts, tokenizer, policies, stores, nodes
     try:
         report = bench(checkpoint, store, prompts, tokenizer=tokenizer, policies=policies or POLICIES, stores=stores,
                        max_nodes=nodes if nodes == "auto" else int(nodes), max_depth=depth,
-                       sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,), limit=limit,
+                       sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,),
+                       sweep_policies=sweep_policies, limit=limit,
                        max_new_tokens=max_new_tokens, threads=threads, seed=seed, tau=tau, beta=beta,
                        similarity=similarity, out_dir=out_dir)
     except USER_ERRORS as e:
