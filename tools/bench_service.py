@@ -13,7 +13,9 @@ that alternate A B C D (rotated every round, after a warm-up of each):
 Reported per cell: requests/s, contexts/s and p50/p99/min/max latency, as the median over rounds (and the
 min/max of each over rounds), and where the time goes per request: client CPU and service CPU (user and
 system, from os.times and /proc) and the service's own handling time (its /metrics latency histogram:
-body read to response handed to uvicorn). Clients are processes, not threads: threads would measure
+request head parsed, or body read, to response handed to the transport); and how many cores other
+processes kept busy meanwhile (/proc/stat minus the clients and the service): on a shared machine a
+number measured beside 1 busy core of someone else's is not one measured on 2 free cores. Clients are processes, not threads: threads would measure
 their own GIL. Every process pins its thread pools to one thread; the service is one uvicorn process.
 --think-ms makes each client pause between answers, as a TTS worker running its model forward does.
 
@@ -114,6 +116,14 @@ def process_cpu(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
+def machine_cpu() -> float:
+    """CPU seconds used so far by everything on this machine, all cores together (/proc/stat; steal, the
+    time the hypervisor gave our cores to someone else, included)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in Path("/proc/stat").read_text()
+                                                               .split("\n", 1)[0].split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def run_cell(mode, clients, requests_per_client, url, store_name, store_dir, seconds, server_pid, think=0.0) -> dict:
     ctx = mp.get_context("fork")  # the parent has loaded everything already; no threads are running
     barrier, results = ctx.Barrier(clients + 1), ctx.Queue()
@@ -123,8 +133,10 @@ def run_cell(mode, clients, requests_per_client, url, store_name, store_dir, sec
         p.start()
     barrier.wait()
     started, server_before, app_before = time.perf_counter(), process_cpu(server_pid), app_seconds(url)
+    machine_before = machine_cpu()
     answers = [results.get(timeout=seconds + 120) for _ in procs]
     elapsed, server_after, app_after = time.perf_counter() - started, process_cpu(server_pid), app_seconds(url)
+    machine_after = machine_cpu()
     for p in procs:
         p.join()
     latencies = np.concatenate([a[0] for a in answers])
@@ -137,7 +149,9 @@ def run_cell(mode, clients, requests_per_client, url, store_name, store_dir, sec
             "client_system_us": per_request(sum(a[2] for a in answers)),
             "server_user_us": per_request(server_after[0] - server_before[0]) if mode != "inproc" else 0.0,
             "server_system_us": per_request(server_after[1] - server_before[1]) if mode != "inproc" else 0.0,
-            "server_app_us": (app_after[0] - app_before[0]) / max(app_after[1] - app_before[1], 1) * 1e6}
+            "server_app_us": (app_after[0] - app_before[0]) / max(app_after[1] - app_before[1], 1) * 1e6,
+            "other_cores": max(0.0, machine_after - machine_before - sum(a[1] + a[2] for a in answers)
+                               - sum(server_after) + sum(server_before)) / elapsed}
 
 
 def app_seconds(url: str) -> tuple[float, float]:
@@ -426,7 +440,8 @@ def summarize(results: list[dict]) -> dict:
     for key in ("requests_per_s", "contexts_per_s", "p50_ms", "p99_ms"):
         values = [r[key] for r in results]
         out[key] = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
-    for key in ("client_user_us", "client_system_us", "server_user_us", "server_system_us", "server_app_us"):
+    for key in ("client_user_us", "client_system_us", "server_user_us", "server_system_us", "server_app_us",
+                "other_cores"):
         out[key] = float(np.median([r[key] for r in results]))
     out["min_ms"] = min(r["min_ms"] for r in results)
     out["max_ms"] = max(r["max_ms"] for r in results)
@@ -448,13 +463,14 @@ def profile_under_load(pid, url, store_dir, utterances, seconds, out) -> dict:
 
 def print_report(report: dict) -> None:
     print(f"{'cell':30s} {'req/s':>7s} {'ctx/s':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'p99 min..max':>13s}"
-          f"   us/request: client CPU user+sys, service CPU user+sys, service app time")
+          f"   us/request: client CPU user+sys, service CPU user+sys, service app time;  cores busy with other work")
     for name, cell in report["cells"].items():
         print(f"{name:30s} {cell['requests_per_s']['median']:7.0f} {cell['contexts_per_s']['median']:7.0f} "
               f"{cell['p50_ms']['median']:7.3f} {cell['p99_ms']['median']:7.3f} "
               f"{cell['p99_ms']['min']:6.2f}..{cell['p99_ms']['max']:<6.2f}"
               f"   {cell['client_user_us']:5.0f}+{cell['client_system_us']:<5.0f} "
-              f"{cell['server_user_us']:5.0f}+{cell['server_system_us']:<5.0f} {cell['server_app_us']:5.0f}")
+              f"{cell['server_user_us']:5.0f}+{cell['server_system_us']:<5.0f} {cell['server_app_us']:5.0f}"
+              f"  {cell.get('other_cores', float('nan')):5.2f}")
     for name, cell in report["cells"].items():
         floor = report["cells"].get(name.replace("/binary", "/floor")) if name.endswith("/binary") else None
         if floor:
