@@ -205,11 +205,11 @@ class Metrics:
         self.contexts: dict[str, int] = defaultdict(int)  # store
         self.nodes: dict[str, int] = defaultdict(int)  # store
         self.enrollments: dict[str, int] = defaultdict(int)  # store
+        gauges = (("tokens", "Tokens in the general store"), ("utterances", "Utterances in the general store"),
+                  ("speakers", "Enrolled speakers"), ("exact_bytes", "Bytes of all exact stores"),
+                  ("faiss_bytes", "Bytes of the FAISS store"))
         self.store = {field: Gauge(f"echospec_store_{field}", help_, ["store"], registry=self.registry)
-                      for field, help_ in (
-            ("tokens", "Tokens in the general store"), ("utterances", "Utterances in the general store"),
-            ("speakers", "Enrolled speakers"), ("exact_bytes", "Bytes of all exact stores"),
-            ("faiss_bytes", "Bytes of the FAISS store"))}
+                      for field, help_ in gauges}
         self.registry.register(self)  # collect() below
 
     def observe(self, endpoint: str, status: int, seconds: float) -> None:
@@ -229,8 +229,8 @@ class Metrics:
         """The tallies as metric families (prometheus_client's Collector protocol)."""
         yield _counter("echospec_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                        self.requests)
-        latency = HistogramMetricFamily("echospec_request_seconds", "Request latency, body read to response sent",
-                                        labels=["endpoint"])
+        latency = HistogramMetricFamily("echospec_request_seconds",
+                                        "Request latency, request read to answer written", labels=["endpoint"])
         bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]
         for endpoint, counts in self.latency.items():
             latency.add_metric([endpoint], list(zip(bounds, accumulate(counts[:-1]))), counts[-1])
@@ -693,8 +693,8 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
     `on_message_complete` (measured with a fixed answer), and a propose's own work is ~40 us. So a
     request that is a binary propose (POST .../propose, Content-Type application/x-echospec, a
     Content-Length of at most INLINE_BODY_LIMIT, no Expect or Transfer-Encoding header, nothing else
-    in flight on the connection, the client reading its answers) is answered by `Service.answer_binary_propose` when its body is in,
-    head and body in one write. Everything else, JSON proposals included, takes uvicorn's path."""
+    in flight on the connection, the client reading its answers) is answered by
+    `Service.answer_binary_propose` when its body is in, head and body in one write. Everything else, JSON proposals included, takes uvicorn's path."""
 
     _inline: tuple[str, bytes, float, list[bytes]] | None = None  # (store, query, started, body parts)
 

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from .tree import SOURCES, CandidateTree
+from .tree import FIELDS, SOURCES, CandidateTree
 
 BINARY = "application/x-echospec"
 JSON = "application/json"
@@ -26,6 +26,7 @@ JSON = "application/json"
 TREE_COLUMNS = (("tokens", np.int64), ("parents", np.int32), ("depths", np.int32),
                 ("counts", np.float32), ("probs", np.float32), ("sources", np.uint8))
 """CandidateTree's arrays in wire order, with their in-memory dtypes (little-endian on the wire)."""
+assert tuple(name for name, _ in TREE_COLUMNS) == FIELDS  # decode_trees hands columns to CandidateTree.trusted
 _LITTLE = {dtype: np.dtype(dtype).newbyteorder("<") for _, dtype in TREE_COLUMNS}
 _U32 = struct.Struct("<I")
 _ONE_TREE = struct.Struct("<II")  # n = 1, then its size

@@ -9,20 +9,22 @@ that alternate A B C D (rotated every round, after a warm-up of each):
   httpx        httpx.Client posting the same binary bodies (single contexts only), to justify the client
   floor        RemoteRetriever against the HTTP stack alone: uvicorn with the service's protocol, answering
                every propose with the same typical tree (single contexts only). Its CPU per request is the
-               floor under the service's; the difference is the service's own work
+               floor under the service's; the difference is the service's own work.
 Reported per cell: requests/s, contexts/s and p50/p99/min/max latency, as the median over rounds (and the
 min/max of each over rounds), and where the time goes per request: client CPU and service CPU (user and
 system, from os.times and /proc) and the service's own handling time (its /metrics latency histogram:
 request head parsed, or body read, to response handed to the transport); and how many cores other
 processes kept busy meanwhile (/proc/stat minus the clients and the service): on a shared machine a
-number measured beside 1 busy core of someone else's is not one measured on 2 free cores. Clients are processes, not threads: threads would measure
-their own GIL. Every process pins its thread pools to one thread; the service is one uvicorn process.
+number measured beside 1 busy core of someone else's is not one measured on 2 free cores. Clients are
+processes, not threads: threads would measure their own GIL. Every process pins its thread pools to one
+thread; the service is one uvicorn process.
 --think-ms makes each client pause between answers, as a TTS worker running its model forward does.
 
 Also measured: encode + decode cost per propose, JSON vs binary, at 100/500/2000-token contexts (no
 network), and with --profile a py-spy sample of the service under 8 clients, grouped by component
-(py-spy sees Python frames only: time inside uvloop's C code and the kernel is charged to the last
-Python line that ran, mostly uvicorn's transport.write).
+(py-spy sees Python frames only, and samples wall time: time inside uvloop's C code and the kernel,
+and time spent preempted there, is charged to the last Python line that ran, mostly the response's
+transport.write, which wakes the client).
 
     python -m echospec.tools.bench_service --out bench/service           # ~5 minutes
     python -m echospec.tools.bench_service --think-ms 5 --modes inproc,binary --batch 1 --no-profile
@@ -389,7 +391,8 @@ def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report["setup"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "threads_per_process": THREADS,
-                       "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(), "rounds": rounds, "seconds_per_cell": seconds,
+                       "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
+                       "rounds": rounds, "seconds_per_cell": seconds,
                        "think_ms": think_ms, "mean_context_tokens": mean_context_tokens(utterances)}
     (out / f"service{'_think' if think_ms else ''}.json").write_text(json.dumps(report, indent=1))
     print_report(report)
