@@ -748,8 +748,9 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
                 length = value
             elif name in (b"transfer-encoding", b"upgrade"):
                 return None
-        if length is None or not length.isdigit() or int(length) > INLINE_BODY_LIMIT:
-            return None
+        if length is None or not length.isdigit() \
+                or int(length) > min(INLINE_BODY_LIMIT, self.app.limits.max_body_bytes):
+            return None  # uvicorn's path reads it with flow control, or refuses it (413)
         return match.group(1).decode("ascii"), url.query or b"", time.perf_counter(), []
 
 

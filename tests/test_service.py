@@ -260,6 +260,18 @@ def test_huge_body_is_refused_before_it_is_read(server):
     assert post_json(server.url, "/v1/stores/voices/propose", {"context": [1, 2, 3]})[0] == 200
 
 
+def test_body_limit_holds_for_binary_proposals_too(built, tmp_path):
+    """A binary propose under the inline path's own size limit but over a configured smaller one gets its 413."""
+    context = encode_contexts([np.arange(3000) % 50])  # ~12 kB
+    with Server(copy_store(built[0], tmp_path / "voices"), args=("--max-body-mb", "0.005")) as small:  # ~5 kB
+        got, _, answer = request(small.url, "POST", "/v1/stores/voices/propose", context,
+                                 {"Content-Type": BINARY})
+        assert got == 413 and json.loads(answer)["error"]["code"] == "body_too_large"
+        short = encode_contexts([np.arange(10) % 50])
+        got, _, answer = request(small.url, "POST", "/v1/stores/voices/propose", short, {"Content-Type": BINARY})
+        assert got == 200 and decode_trees(answer)
+
+
 def test_huge_chunked_body_is_refused(server):
     import http.client
 
