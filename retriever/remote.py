@@ -21,6 +21,7 @@ import json
 import socket
 import ssl
 import struct
+import sys
 import threading
 import time
 from typing import Sequence
@@ -321,6 +322,9 @@ class _Connection:
 
 
 def _set_kernel_timeouts(sock: socket.socket, timeout: float) -> None:
+    if sys.platform == "win32":  # SO_RCVTIMEO takes milliseconds as a DWORD there: keep Python's own timeout
+        sock.settimeout(timeout)
+        return
     microseconds = max(1, round(timeout * 1e6))  # a zero timeval would mean "wait forever"
     timeval = struct.pack("ll", *divmod(microseconds, 1_000_000))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
