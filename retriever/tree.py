@@ -13,11 +13,25 @@ from functools import cached_property
 from typing import Iterable, Sequence
 
 import numpy as np
+from numba import njit
 
 SOURCES = ("prompt", "speaker", "general", "faiss")
 """Where a node came from: `sources[i]` indexes this tuple."""
 
 FIELDS = ("tokens", "parents", "depths", "counts", "probs", "sources")
+
+
+@njit(cache=True, nogil=True)
+def ancestor_mask(parents):
+    """bool[N, N] of a topologically ordered tree: row i is its parent's row plus i itself. Compiled: the
+    decoder builds it every step, and a Python loop over rows cost 16 us at 16 nodes and 90 us at 64."""
+    n = parents.shape[0]
+    mask = np.zeros((n, n), dtype=np.bool_)
+    for i in range(n):
+        if parents[i] >= 0:
+            mask[i, :i] = mask[parents[i], :i]
+        mask[i, i] = True
+    return mask
 
 
 def matched_depth(tokens: np.ndarray, parents: np.ndarray, sequence) -> int:
@@ -59,12 +73,7 @@ class CandidateTree:
     @cached_property
     def mask(self) -> np.ndarray:
         """bool[N, N]: mask[i, j] is True when node j is node i or one of its ancestors."""
-        n = len(self)
-        mask = np.eye(n, dtype=bool)
-        for i in range(n):
-            if self.parents[i] >= 0:
-                mask[i] |= mask[self.parents[i]]
-        return mask
+        return ancestor_mask(self.parents)
 
     @cached_property
     def paths(self) -> np.ndarray:

@@ -7,6 +7,8 @@ import pytest
 from echospec.datastore import build
 from echospec.retriever import SOURCES, CandidateTree, Retriever
 from echospec.tools.synth_corpus import SynthConfig, generate
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +61,24 @@ def test_bad_context_and_speaker(store):
         r.propose([1, 2, 3], speaker="nobody")
     assert len(r.propose([])) == 0
     assert r.vocab_size == 512 and r.speakers == ("spk000", "spk001", "spk002")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10**6), max_size=70))
+def test_mask_marks_each_node_and_exactly_its_ancestors(choices):
+    # any topologically ordered tree: node i's parent is one of the nodes before it, or the root
+    parents = np.array([c % (i + 1) - 1 for i, c in enumerate(choices)], np.int32)
+    n = len(parents)
+    depths = np.zeros(n, np.int32)
+    for i in range(n):
+        depths[i] = 1 if parents[i] < 0 else depths[parents[i]] + 1
+    tree = CandidateTree(tokens=np.arange(n, dtype=np.int64), parents=parents, depths=depths,
+                         counts=np.ones(n, np.float32), probs=np.ones(n, np.float32), sources=np.zeros(n, np.uint8))
+    expected = np.zeros((n, n), bool)
+    for i in range(n):
+        node = i
+        while node >= 0:
+            expected[i, node] = True
+            node = parents[node]
+    assert tree.mask.dtype == bool and tree.mask.shape == (n, n)
+    assert (tree.mask == expected).all()
