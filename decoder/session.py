@@ -30,6 +30,7 @@ from .vocab import SpeechVocab
 ALLOWED_ATTENTION = ("eager", "sdpa")
 AUTO_MAX_NODES = 64
 MAX_IDLE_STEPS = 4  # auto budget: while trees do not pay, ask the retriever at least every 5th step
+EXPLORE_EVERY, EXPLORE_NODES = 4, 8  # auto budget, relaxed policies: verify every 4th declined tree (8 nodes)
 
 
 def check_model(model) -> None:
@@ -150,6 +151,7 @@ class SpeculativeSession:
         self.finished = False
         self._shadow: deque = deque()  # proposed trees waiting to be scored against the real continuation
         self._idle = self._skip = 0  # auto budget: steps to skip the retriever while trees do not pay
+        self._declined = 0  # auto budget: trees declined so far
 
     # ---- inputs -------------------------------------------------------------------------------------
 
@@ -264,8 +266,12 @@ class SpeculativeSession:
             return tree
         order = prune_order(tree)
         if self.budget is not None:
-            self._shadow.append([len(self.generated), tree, float(tree.probs[order].sum()), 0])
+            self._shadow.append([len(self.generated), tree, float(tree.probs[order].sum()), None])
             chosen = self.budget.choose(tree, order, propose_seconds)
+            if not chosen and not self.policy.exact:
+                # a relaxed policy's acceptance shows only on verified trees (see _score_shadow_trees)
+                self._declined += 1
+                chosen = 0 if self._declined % EXPLORE_EVERY else min(len(tree), EXPLORE_NODES)
             self._idle = 0 if chosen else min(2 * self._idle + 1, MAX_IDLE_STEPS)
             self._skip = self._idle
             cap = chosen
@@ -331,8 +337,8 @@ class SpeculativeSession:
         start = time.perf_counter()
         verified = self.verify(tree)
         path, bonus = self.accept(verified)
-        if self._shadow and self._shadow[-1][0] == len(self.generated):
-            self._shadow[-1][3] = len(path)  # a relaxed policy may accept more than the output alone shows
+        if len(tree) and self._shadow and self._shadow[-1][0] == len(self.generated):
+            self._shadow[-1][3] = len(path)  # verified: a relaxed policy may accept more than the output shows
         emitted = self._emit([verified.tokens[i] for i in path] + ([] if bonus is None else [bonus]))
         # the cache holds every emitted token but the last: fewer emitted (a stop, the length limit) keep fewer
         self.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
@@ -414,8 +420,11 @@ class SpeculativeSession:
     def _score_shadow_trees(self) -> None:
         """Score proposed trees against the tokens that actually followed, to calibrate the auto budget.
 
-        For the exact policies this is the length the tree would have had accepted, verified or not; a
-        tree is scored as soon as the output leaves it (usually the next step), or reaches its leaves.
+        For the exact policies this is the length the tree would have had accepted, verified or not. A
+        relaxed policy accepts drafts the output would not have matched, so only its verified trees are
+        scored (a declined tree's match with sampled output undercounts it), and every few declined trees
+        one is verified anyway so the estimate keeps up. A tree is scored as soon as the output leaves it
+        (usually the next step), or reaches its leaves.
         """
         while self._shadow:
             start, tree, predicted, accepted = self._shadow[0]
@@ -424,7 +433,8 @@ class SpeculativeSession:
             if depth == len(continuation) and depth < tree.max_depth and not self.finished:
                 return
             self._shadow.popleft()
-            self.budget.observe(predicted, max(depth, accepted))
+            if accepted is not None or self.policy.exact:
+                self.budget.observe(predicted, max(depth, accepted or 0))
 
 
 _CURVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its measured CostCurve

@@ -180,3 +180,21 @@ def test_budget_scaling_seen_on_tree_steps_only_keeps_trees_and_plain_steps_comp
     assert budget.step_time([0, 4]).tolist() == pytest.approx([0.5e-3, 0.9e-3])
     tree = CandidateTree.from_sequences([[1, 2, 3], [4, 5]], max_nodes=8)
     assert budget.choose(tree, prune_order(tree), propose_seconds=1e-5) == 0
+
+
+def test_auto_budget_keeps_verifying_a_few_trees_for_relaxed_policies(model):
+    # A relaxed policy's acceptance shows only on verified trees, so declined ones are not scored for it and
+    # every EXPLORE_EVERY-th declined tree is verified anyway (EXPLORE_NODES nodes); exact policies never explore.
+    from echospec.decoder import ExactSampling, Filtered
+    from echospec.decoder.session import EXPLORE_NODES
+
+    ids = prompt(seed=5)
+    cpu_like = CostCurve([0, 1, 2, 4, 8, 16, 32, 64], [1e-3 * (1 + 0.2 * n) for n in (0, 1, 2, 4, 8, 16, 32, 64)])
+    budgets = {}
+    for policy in (Filtered(tau=1, seed=0), ExactSampling(seed=0)):  # tau=1: hardly any random draft passes
+        result = generate(model, Wrong(VOCAB), input_ids=ids, policy=policy, max_new_tokens=120, min_new_tokens=120,
+                          max_nodes="auto", cost_curve=cpu_like)
+        budgets[type(policy).__name__] = result.stats.node_budgets[30:]
+    assert set(budgets["ExactSampling"]) == {0}
+    assert set(budgets["Filtered"]) == {0, EXPLORE_NODES}
+    assert budgets["Filtered"].count(0) > 10 * budgets["Filtered"].count(EXPLORE_NODES)  # a few percent of steps
