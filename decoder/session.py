@@ -33,6 +33,11 @@ MAX_IDLE_STEPS = 4  # auto budget: while trees do not pay, ask the retriever at 
 EXPLORE_EVERY, EXPLORE_NODES = 4, 8  # auto budget, relaxed policies: verify every 4th declined tree (8 nodes)
 
 
+def node_cap(max_nodes: int | str) -> int:
+    """The most tree nodes a step may verify under `max_nodes` (an int, or "auto")."""
+    return AUTO_MAX_NODES if max_nodes == "auto" else int(max_nodes)
+
+
 def check_model(model) -> None:
     """Raise UnsupportedModelError unless `model` is a causal LM whose attention takes a 4D additive mask."""
     if not isinstance(model, PreTrainedModel):
@@ -226,7 +231,7 @@ class SpeculativeSession:
             return CandidateTree.empty()
         depth_cap = min(self.max_depth, self.max_new_tokens - len(self.generated),
                         self.max_positions - 1 - self.cached)
-        cap = AUTO_MAX_NODES if self.max_nodes == "auto" else self.max_nodes
+        cap = node_cap(self.max_nodes)
         if depth_cap <= 0 or cap == 0:
             return CandidateTree.empty()
         start = time.perf_counter()

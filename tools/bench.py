@@ -132,7 +132,8 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
             out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(speech.stop_ids),
                                  pad_token_id=speech.stop_ids[0], attention_mask=torch.ones_like(ids), **extra)
             seconds = time.perf_counter() - start
-            tree_sizes = None if extra else []  # prompt lookup's candidate lengths are not seen from outside
+            # each step after the prefill verifies no tree; prompt lookup's candidate lengths are not seen
+            tree_sizes = None if extra else [0] * (forwards[0] - 1)
             return out[0, len(prompt.input_ids):].tolist(), forwards[0], seconds, [], tree_sizes
         return run
 
@@ -186,12 +187,6 @@ def verify_cost_curve(model, speech, prompts: list[Prompt], largest: int, contex
     return session.measure_cost_curve(sizes, repeats=20), len(ids)
 
 
-def _nodes(max_nodes: int | str) -> int:
-    from ..decoder.session import AUTO_MAX_NODES
-
-    return AUTO_MAX_NODES if max_nodes == "auto" else int(max_nodes)
-
-
 def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
           max_nodes: int | str = 16, max_depth: int = 8, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
           limit: int | None = None,
@@ -203,6 +198,7 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
 
     from ..decoder import SpeechVocab
     from ..decoder.scoring import mean_log_likelihood
+    from ..decoder.session import node_cap
     from ..retriever import Retriever
     from .speech_tokenizer import SpeechTokenizer
     from .tts_prompt import META_FILE, load_sample_tts
@@ -224,7 +220,7 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
 
     for system in systems:  # warm-up: first calls pay for lazy initialisation and numba compilation
         system.run(prompts[0], seed)
-    curve, curve_context = verify_cost_curve(model, speech, prompts, max(_nodes(n) for n in [max_nodes, *sweep_nodes]))
+    curve, curve_context = verify_cost_curve(model, speech, prompts, max(node_cap(n) for n in [max_nodes, *sweep_nodes]))
     rows = {s.name: [] for s in systems}
     for i, prompt in enumerate(tqdm(prompts, desc="bench", unit="utt", disable=not progress)):
         order = systems[i % len(systems):] + systems[: i % len(systems)]
@@ -236,8 +232,8 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
                 "prompt": prompt.id, "tokens": tokens, "new_tokens": len(tokens), "forwards": forwards,
                 "seconds": seconds, "time_per_token": seconds / max(len(tokens), 1),
                 # the prefill, then each step's forward in one-token-step units of this machine's curve
-                "forward_cost": None if tree_sizes is None else
-                1 + float(np.sum(curve.time(tree_sizes))) / curve.seconds[0] if tree_sizes else float(max(forwards, 1)),
+                "forward_cost": (None if tree_sizes is None
+                                 else 1 + float(np.sum(curve.time(tree_sizes))) / curve.seconds[0]),
                 "log_likelihood": mean_log_likelihood(model, prompt.input_ids, tokens),
                 "mel_distortion": (dtw_distance(mel(speech_tokens), mel(prompt.reference))
                                    if mel is not None and prompt.reference and speech_tokens else None),
