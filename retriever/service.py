@@ -346,7 +346,7 @@ class Service:
             log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
             self.metrics.errors[endpoint, "internal"] += 1
             if status is None:
-                await _send_error(send_tracked, ServiceError(500, "internal", "internal error (see the service log)"))
+                await _send_error(send_tracked, _internal_error())
         finally:
             self.metrics.observe(endpoint, status or 500, time.perf_counter() - started)
 
@@ -401,12 +401,11 @@ class Service:
             answer = self.answer_propose(store, query, _BINARY, body)
         except ServiceError as e:
             self.metrics.errors["propose", e.code] += 1
-            status, content_type, answer = e.status, b"application/json", json.dumps(_error_body(e)).encode()
+            status, content_type, answer = e.status, b"application/json", _error_json(e)
         except Exception:
             log.exception("unexpected error answering a binary propose for store %r", store)
             self.metrics.errors["propose", "internal"] += 1
-            error = ServiceError(500, "internal", "internal error (see the service log)")
-            status, content_type, answer = 500, b"application/json", json.dumps(_error_body(error)).encode()
+            status, content_type, answer = 500, b"application/json", _error_json(_internal_error())
         self.metrics.observe("propose", status, time.perf_counter() - started)
         return status, content_type, answer
 
@@ -641,7 +640,15 @@ async def _send(send, status: int, body: bytes, content_type: bytes, extra_heade
 async def _send_error(send, error: ServiceError) -> None:
     # After a 413 the rest of the body is still in the socket: close rather than parse it as a request.
     extra = [(b"connection", b"close")] if error.status == 413 else []
-    await _send(send, error.status, json.dumps(_error_body(error)).encode(), b"application/json", extra)
+    await _send(send, error.status, _error_json(error), b"application/json", extra)
+
+
+def _internal_error() -> ServiceError:
+    return ServiceError(500, "internal", "internal error (see the service log)")
+
+
+def _error_json(error: ServiceError) -> bytes:
+    return json.dumps(_error_body(error)).encode()
 
 
 def _error_body(error: ServiceError) -> dict:

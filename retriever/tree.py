@@ -34,6 +34,19 @@ def ancestor_mask(parents):
     return mask
 
 
+@njit(cache=True, nogil=True)
+def tree_is_valid(parents, depths, sources, n_sources):
+    """What CandidateTree promises, in one pass: parents come first (-1 = the root), each depth is its
+    parent's + 1, sources index SOURCES."""
+    for i in range(parents.shape[0]):
+        parent = parents[i]
+        if parent < -1 or parent >= i or sources[i] >= n_sources:
+            return False
+        if depths[i] != (1 if parent < 0 else depths[parent] + 1):
+            return False
+    return True
+
+
 def matched_depth(tokens: np.ndarray, parents: np.ndarray, sequence) -> int:
     """Length of the longest root path of the tree (`tokens`, `parents`) equal to a prefix of `sequence`:
     what an exact verifier would accept if `sequence` is what the target says next."""

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from .tree import FIELDS, SOURCES, CandidateTree
+from .tree import FIELDS, SOURCES, CandidateTree, tree_is_valid
 
 BINARY = "application/x-echospec"
 JSON = "application/json"
@@ -104,19 +104,6 @@ def decode_trees(body: bytes) -> list[CandidateTree]:
             raise WireError(f"binary trees: tree {i} is malformed (a parent after its child, a depth that is "
                             f"not its parent's + 1, or an unknown source)")
     return [CandidateTree.trusted(columns) for columns in trees]
-
-
-@njit(cache=True, nogil=True)
-def tree_is_valid(parents, depths, sources, n_sources):
-    """What CandidateTree promises, in one pass: parents come first (-1 = the root), each depth is its
-    parent's + 1, sources index SOURCES."""
-    for i in range(parents.shape[0]):
-        parent = parents[i]
-        if parent < -1 or parent >= i or sources[i] >= n_sources:
-            return False
-        if depths[i] != (1 if parent < 0 else depths[parent] + 1):
-            return False
-    return True
 
 
 @njit(cache=True, nogil=True)
