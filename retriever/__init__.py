@@ -3,9 +3,25 @@
     from echospec.retriever import Retriever
     r = Retriever("store_dir")
     tree = r.propose(context, speaker="ann")   # context: prompt speech tokens + output so far
+
+`echospec.retriever.tree` (the CandidateTree contract the decoder imports) needs only numpy and numba,
+so the package's other names are imported on first use, not here.
 """
 
-from .retriever import DEFAULT_WEIGHTS, Retriever
-from .tree import SOURCES, CandidateTree
+from importlib import import_module
 
-__all__ = ["DEFAULT_WEIGHTS", "SOURCES", "CandidateTree", "Retriever"]
+_LAZY = {
+    "CandidateTree": ".tree", "SOURCES": ".tree",
+    "Retriever": ".retriever", "DEFAULT_WEIGHTS": ".retriever",
+    "RemoteRetriever": ".remote", "RetrieverUnavailable": ".remote",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value

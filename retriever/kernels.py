@@ -13,7 +13,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+# Sources, in the order of `tree.SOURCES` (numba folds these module constants into the kernels).
+PROMPT, SPEAKER, GENERAL, FAISS = 0, 1, 2, 3
 N_SOURCES = 4
+# Columns of the per-source `stats` table that `gather_exact` returns, one row per source.
+FIRST_ROW, ROWS, MATCH, OCCURRENCES = 0, 1, 2, 3
+"""first row of the source's continuations in `conts`, rows written, match length, occurrences of the
+matched suffix in the store (its estimated support)"""
 
 
 @njit(cache=True, nogil=True)
@@ -292,32 +298,36 @@ def build_tree(conts, n_rows, wcount, wprob, src, max_nodes):
 
 
 @njit(cache=True, nogil=True)
-def gather_exact(ctx, g_tokens, g_sa, g_first, s_tokens, s_sa, s_first, use_speaker, use_prompt,
-                  n_min, n_max, prompt_n_min, min_support, cap, window, max_depth, extra_rows):
-    """Rows of prompt, speaker and general continuations; stats[s] = (first row, rows, match, occurrences)."""
+def record(stats, source, first_row, rows, match_length, occurrences):
+    stats[source, FIRST_ROW] = first_row
+    stats[source, ROWS] = rows
+    stats[source, MATCH] = match_length
+    stats[source, OCCURRENCES] = occurrences
+
+
+@njit(cache=True, nogil=True)
+def gather_exact(ctx, general, speaker, use_speaker, use_prompt, n_min, n_max, prompt_n_min, min_support, cap,
+                 window, max_depth, extra_rows):
+    """Continuation rows of the prompt, the speaker store and the general store.
+
+    `general` and `speaker` are (tokens, sa, first) triples. Returns `conts`, a [rows, max_depth] table
+    with room for `extra_rows` more (FAISS), and `stats[source]` = (FIRST_ROW, ROWS, MATCH, OCCURRENCES);
+    stats[FAISS, FIRST_ROW] is where FAISS rows would start.
+    """
     conts = np.empty((3 * cap + extra_rows, max_depth), np.int64)
-    stats = np.zeros((4, 4), np.int64)
+    stats = np.zeros((N_SOURCES, 4), np.int64)
     row = 0
     if use_prompt:
         m, k = gather_prompt(ctx, prompt_n_min, n_max, cap, window, conts, row)
-        stats[0, 0] = row
-        stats[0, 1] = m
-        stats[0, 2] = k
-        stats[0, 3] = m
+        record(stats, PROMPT, row, m, k, m)
         row += m
     if use_speaker:
-        m, k, occ = gather_store(s_tokens, s_sa, s_first, ctx, n_min, n_max, min_support, cap, conts, row)
-        stats[1, 0] = row
-        stats[1, 1] = m
-        stats[1, 2] = k
-        stats[1, 3] = occ
+        m, k, occ = gather_store(speaker[0], speaker[1], speaker[2], ctx, n_min, n_max, min_support, cap, conts, row)
+        record(stats, SPEAKER, row, m, k, occ)
         row += m
-    m, k, occ = gather_store(g_tokens, g_sa, g_first, ctx, n_min, n_max, min_support, cap, conts, row)
-    stats[2, 0] = row
-    stats[2, 1] = m
-    stats[2, 2] = k
-    stats[2, 3] = occ
-    stats[3, 0] = row + m
+    m, k, occ = gather_store(general[0], general[1], general[2], ctx, n_min, n_max, min_support, cap, conts, row)
+    record(stats, GENERAL, row, m, k, occ)
+    stats[FAISS, FIRST_ROW] = row + m
     return conts, stats
 
 
@@ -326,17 +336,17 @@ def finish(conts, stats, weights, max_nodes):
     """Weigh the rows and build the tree. Rows are pooled: each counts its source's weight times
     the source's match length, so a node's probability is the weighted share of all gathered
     continuations that pass through it."""
-    n_rows = stats[3, 0] + stats[3, 1]
+    n_rows = stats[FAISS, FIRST_ROW] + stats[FAISS, ROWS]
     wcount = np.zeros(n_rows, np.float64)
     wprob = np.zeros(n_rows, np.float64)
     src = np.zeros(n_rows, np.int64)
     total = 0.0
-    for s in range(4):
-        total += weights[s] * stats[s, 2] * stats[s, 1]
-    for s in range(4):
-        m = stats[s, 1]
-        for r in range(stats[s, 0], stats[s, 0] + m):
-            wcount[r] = weights[s] * stats[s, 3] / m
-            wprob[r] = weights[s] * stats[s, 2] / total
+    for s in range(N_SOURCES):
+        total += weights[s] * stats[s, MATCH] * stats[s, ROWS]
+    for s in range(N_SOURCES):
+        m = stats[s, ROWS]
+        for r in range(stats[s, FIRST_ROW], stats[s, FIRST_ROW] + m):
+            wcount[r] = weights[s] * stats[s, OCCURRENCES] / m
+            wprob[r] = weights[s] * stats[s, MATCH] / total
             src[r] = s
     return build_tree(conts, n_rows, wcount, wprob, src, max_nodes)

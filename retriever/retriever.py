@@ -84,6 +84,7 @@ class Retriever:
             raise ValueError("weights must be 4 non-negative numbers (prompt, speaker, general, faiss)")
         self.vocab_size = ds.vocab_size
         self._general = (ds.general.tokens, ds.general.sa, ds.general.first)
+        self.propose(np.zeros(1, np.int64))  # JIT warm-up (numba's cache): the first request pays nothing
 
     @property
     def speakers(self) -> tuple[str, ...]:
@@ -91,9 +92,15 @@ class Retriever:
 
     def propose(self, context, speaker: str | None = None, max_nodes: int | None = None,
                 max_depth: int | None = None) -> CandidateTree:
-        """Candidate continuations of `context` (1-D ints, store-local ids: the request's prompt
-        speech tokens followed by its output so far). Raises ValueError for ids outside the
-        vocabulary or an unknown speaker."""
+        """Candidate continuations of `context`: 1-D ints, store-local ids (the request's prompt speech
+        tokens followed by its output so far). Raises ValueError for ids outside the vocabulary or an
+        unknown speaker.
+
+        Worked example: if the store holds "5 6 7 8" twice and "5 6 9" once, the context [1, 5, 6] matches
+        the suffix "5 6" three times (with `min_support` <= 3), so the rows gathered are [7, 8], [7, 8] and
+        [9]; the tree is 7 -> 8 and 9, with probabilities 2/3, 2/3 and 1/3 (a node's share of the rows
+        passing through it). With the prompt lookup on, earlier places in the context itself add rows too.
+        """
         ctx = np.asarray(context, dtype=np.int64)
         if ctx.ndim != 1:
             raise ValueError(f"context must be 1-D, got shape {ctx.shape}")
@@ -103,19 +110,24 @@ class Retriever:
         max_depth = self.max_depth if max_depth is None else int(max_depth)
         if len(ctx) == 0 or max_nodes <= 0 or max_depth <= 0:
             return CandidateTree.empty()
-        g = self._general
-        s = g
+        speaker_store = self._general
         if speaker is not None:
             store = self.datastore.speaker_store(speaker)
             if store is None:
                 raise ValueError(f"unknown speaker {speaker!r}")
-            s = (store.tokens, store.sa, store.first)
+            speaker_store = (store.tokens, store.sa, store.first)
         faiss = self.faiss
-        conts, stats = kernels.gather_exact(ctx, *g, *s, speaker is not None, self.prompt_lookup, self.n_min,
-                                     self.n_max, self.prompt_n_min, self.min_support, self.cap,
-                                     self.prompt_window, max_depth, 0 if faiss is None else self.faiss_k)
-        if faiss is not None and max(stats[1, 2], stats[2, 2]) < self.faiss_below:
-            positions = faiss.search(ctx, self.faiss_k)
-            m = kernels.gather_positions(g[0], positions, self.vocab_size, conts, stats[3, 0])
-            stats[3, 1:] = (m, 1, m)
-        return CandidateTree.trusted(kernels.finish(conts, stats, self.weights, max_nodes))
+        conts, stats = kernels.gather_exact(
+            ctx=ctx, general=self._general, speaker=speaker_store, use_speaker=speaker is not None,
+            use_prompt=self.prompt_lookup, n_min=self.n_min, n_max=self.n_max, prompt_n_min=self.prompt_n_min,
+            min_support=self.min_support, cap=self.cap, window=self.prompt_window, max_depth=max_depth,
+            extra_rows=0 if faiss is None else self.faiss_k)
+        exact_match = max(stats[kernels.SPEAKER, kernels.MATCH], stats[kernels.GENERAL, kernels.MATCH])
+        if faiss is not None and exact_match < self.faiss_below:
+            rows = kernels.gather_positions(tokens=self._general[0], positions=faiss.search(ctx, self.faiss_k),
+                                            vocab=self.vocab_size, out=conts,
+                                            row0=stats[kernels.FAISS, kernels.FIRST_ROW])
+            # a neighbour's match is one token, its support the rows found
+            stats[kernels.FAISS, kernels.ROWS:] = (rows, 1, rows)
+        return CandidateTree.trusted(kernels.finish(conts=conts, stats=stats, weights=self.weights,
+                                                    max_nodes=max_nodes))

@@ -82,3 +82,23 @@ def test_mask_marks_each_node_and_exactly_its_ancestors(choices):
             node = parents[node]
     assert tree.mask.dtype == bool and tree.mask.shape == (n, n)
     assert (tree.mask == expected).all()
+
+
+def test_propose_docstring_worked_example(tmp_path):
+    """The example in `Retriever.propose`'s docstring, as written there."""
+    rows = [[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 9]]
+    with open(tmp_path / "c.jsonl", "w") as f:
+        f.writelines(json.dumps({"id": f"u{i}", "speaker": "s", "tokens": t}) + "\n" for i, t in enumerate(rows))
+    build(tmp_path / "c.jsonl", tmp_path / "store", faiss=False, per_speaker=False, progress=False, vocab_size=10)
+    tree = Retriever(tmp_path / "store").propose([1, 5, 6])
+    paths = {tuple(int(tree.tokens[j]) for j in _path(tree, i)): round(float(tree.probs[i]), 3)
+             for i in range(len(tree))}
+    assert paths == {(7,): 0.667, (7, 8): 0.667, (9,): 0.333}
+
+
+def _path(tree, node):
+    path = []
+    while node >= 0:
+        path.insert(0, node)
+        node = int(tree.parents[node])
+    return path

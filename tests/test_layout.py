@@ -1,0 +1,59 @@
+"""Import rules of the layout (README "Layout"): each folder imports only what its room may."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# the folder -> the echospec packages it may import
+MAY_IMPORT = {
+    "datastore": set(),
+    "retriever": {"datastore"},
+    "decoder": {"retriever"},
+    "tools": {"datastore", "retriever", "decoder"},
+}
+
+
+def _imported_packages(path: Path, folder: str) -> set[str]:
+    """echospec packages (datastore, retriever, decoder, tools) a module imports, absolute or relative."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0 and (node.module or "").startswith("echospec."):
+                found.add(node.module.split(".")[1])
+            elif node.level >= 2:  # from ..x import y: x is another top-level package (from a package's module)
+                depth = len(path.relative_to(ROOT / folder).parts)  # 1: a module of the folder itself
+                if node.level == depth + 1 and node.module:
+                    found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("echospec.")}
+    return found - {folder}
+
+
+@pytest.mark.parametrize("folder", sorted(MAY_IMPORT))
+def test_folders_import_only_what_their_room_may(folder):
+    wrong = {str(p.relative_to(ROOT)): sorted(_imported_packages(p, folder) - MAY_IMPORT[folder])
+             for p in (ROOT / folder).rglob("*.py")}
+    assert not {k: v for k, v in wrong.items() if v}
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sys.modules))"],
+                         capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_retriever_and_datastore_load_no_torch_and_no_web_framework(tmp_path):
+    modules = _modules_after("import echospec.datastore, echospec.retriever\n"
+                             "from echospec.retriever import Retriever, CandidateTree, RemoteRetriever")
+    assert "echospec.retriever.retriever" in modules  # the import really happened
+    assert not modules & {"torch", "transformers", "fastapi", "uvicorn", "starlette", "prometheus_client"}
+
+
+def test_the_tree_contract_stands_alone():
+    modules = _modules_after("import echospec.retriever.tree")
+    assert "echospec.retriever.tree" in modules
+    assert not {m for m in modules if m.startswith(("echospec.datastore", "sqlite_utils", "faiss", "torch"))}
