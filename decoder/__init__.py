@@ -3,7 +3,7 @@
 Batch size 1 only. Attention implementations: "sdpa" and "eager" (flash/flex attention are refused).
 """
 
-from .cost import CostCurve, NodeBudget
+from .cost import AutoBudget, CostCurve, FixedBudget, NodeBudget
 from .errors import DecoderInputError, UnsupportedModelError
 from .generate import HF_CUSTOM_GENERATE_DIR, GenerationResult, generate, hf_generate
 from .policies import ExactGreedy, ExactSampling, Filtered, Policy, SimilarityGroups, Tolerance, VerifiedTree
@@ -15,6 +15,6 @@ __all__ = [
     "generate", "hf_generate", "HF_CUSTOM_GENERATE_DIR", "GenerationResult", "GenerationStats",
     "SpeculativeSession", "check_model",
     "Policy", "ExactGreedy", "ExactSampling", "Filtered", "Tolerance", "SimilarityGroups", "VerifiedTree",
-    "Sampler", "RAS", "NodeState", "SpeechVocab", "length_limits", "CostCurve", "NodeBudget",
+    "Sampler", "RAS", "NodeState", "SpeechVocab", "length_limits", "CostCurve", "NodeBudget", "AutoBudget", "FixedBudget",
     "DecoderInputError", "UnsupportedModelError",
 ]

@@ -32,7 +32,7 @@ class GenerationResult:
         return self.speech.to_local(self.tokens)
 
 
-def generate(model, retriever=None, input_ids=None, inputs_embeds=None, policy: Policy | None = None,
+def generate(model, retriever=None, policy: Policy | None = None, *, input_ids=None, inputs_embeds=None,
              speech: SpeechVocab | None = None, speech_embedding=None, speaker=None, prompt_speech=None,
              max_new_tokens: int = 2048, min_new_tokens: int = 0, max_nodes: int | str = 16, max_depth: int = 8,
              token_rate: float = 25.0, retriever_timeout: float = 0.1, seed: int | torch.Generator | None = None,
@@ -51,8 +51,10 @@ def generate(model, retriever=None, input_ids=None, inputs_embeds=None, policy: 
         policy = policy or ExactGreedy()
         policy.reseed(seed)
     session = SpeculativeSession(
-        model, retriever, policy, speech, speech_embedding, speaker, prompt_speech, max_new_tokens,
-        min_new_tokens, max_nodes, max_depth, token_rate, retriever_timeout, cost_curve)
+        model, retriever, policy, speech=speech, speech_embedding=speech_embedding, speaker=speaker,
+        prompt_speech=prompt_speech, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+        max_nodes=max_nodes, max_depth=max_depth, token_rate=token_rate, retriever_timeout=retriever_timeout,
+        cost_curve=cost_curve)
     start = time.perf_counter()
     emitted = session.prefill(input_ids=input_ids, inputs_embeds=inputs_embeds)
     while True:
@@ -74,7 +76,7 @@ def policy_from_generation_config(config) -> Policy:
                                  repetition_penalty=config.repetition_penalty or 1.0))
 
 
-def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, *,
                 retriever=None, policy: Policy | None = None, speech: SpeechVocab | None = None,
                 speech_embedding=None, speaker=None, prompt_speech=None, max_nodes: int | str = 16,
                 max_depth: int = 8, token_rate: float = 25.0, retriever_timeout: float = 0.1,

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import time
 import warnings
-import weakref
-from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -21,21 +19,13 @@ from transformers.cache_utils import DynamicLayer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..retriever.tree import CandidateTree
-from .cost import CURVE_SIZES, CostCurve, NodeBudget, prune_order
+from .cost import CURVE_SIZES, AutoBudget, CostCurve, FixedBudget
 from .errors import DecoderInputError, UnsupportedModelError
 from .policies import ExactGreedy, Policy, VerifiedTree
 from .sampling import NodeState
 from .vocab import SpeechVocab
 
 ALLOWED_ATTENTION = ("eager", "sdpa")
-AUTO_MAX_NODES = 64
-MAX_IDLE_STEPS = 4  # auto budget: while trees do not pay, ask the retriever at least every 5th step
-EXPLORE_EVERY, EXPLORE_NODES = 4, 8  # auto budget, relaxed policies: verify every 4th declined tree (8 nodes)
-
-
-def node_cap(max_nodes: int | str) -> int:
-    """The most tree nodes a step may verify under `max_nodes` (an int, or "auto")."""
-    return AUTO_MAX_NODES if max_nodes == "auto" else int(max_nodes)
 
 
 def check_model(model) -> None:
@@ -97,20 +87,10 @@ class GenerationStats:
         return asdict(self) | {name: getattr(self, name) for name in derived}
 
 
-def subtree(tree: CandidateTree, keep) -> CandidateTree:
-    """The nodes `keep` (each with its parent kept), re-indexed in topological order."""
-    keep = sorted(int(i) for i in keep)
-    index = {old: new for new, old in enumerate(keep)}
-    return CandidateTree(
-        tokens=tree.tokens[keep], parents=np.array([index.get(int(tree.parents[i]), -1) for i in keep], np.int32),
-        depths=tree.depths[keep], counts=tree.counts[keep], probs=tree.probs[keep], sources=tree.sources[keep],
-    )
-
-
 class SpeculativeSession:
     """One utterance's decoding state (batch size 1). `prefill` once, then `step` until `finished`.
 
-        session = SpeculativeSession(model, retriever, ExactGreedy(), SpeechVocab(0, 6561, (6561, 6562, 6563)),
+        session = SpeculativeSession(model, retriever, ExactGreedy(), speech=SpeechVocab(0, 6561, (6561, 6562, 6563)),
                                      speech_embedding=speech_table, max_new_tokens=500)
         session.prefill(inputs_embeds=lm_input)
         while not session.finished:
@@ -119,11 +99,11 @@ class SpeculativeSession:
 
     `max_nodes` is a fixed per-step node budget, or "auto": each step's budget maximises expected tokens
     per second from the model's verify-cost curve (measured once per model) and the acceptance seen so far
-    (per retriever and policy kind). A retriever that raises or takes longer than `retriever_timeout`
-    seconds makes that step autoregressive. `generated` holds the model ids emitted so far.
+    (per retriever and policy kind); see `cost.AutoBudget`. A retriever that raises or takes longer than
+    `retriever_timeout` seconds makes that step autoregressive. `generated` holds the model ids emitted so far.
     """
 
-    def __init__(self, model, retriever=None, policy: Policy | None = None, speech: SpeechVocab | None = None,
+    def __init__(self, model, retriever=None, policy: Policy | None = None, *, speech: SpeechVocab | None = None,
                  speech_embedding=None, speaker=None, prompt_speech=None, max_new_tokens: int = 2048,
                  min_new_tokens: int = 0, max_nodes: int | str = 16, max_depth: int = 8, token_rate: float = 25.0,
                  retriever_timeout: float = 0.1, cost_curve: CostCurve | None = None):
@@ -144,7 +124,8 @@ class SpeculativeSession:
         self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
         self.max_nodes, self.max_depth, self.retriever_timeout = max_nodes, max_depth, retriever_timeout
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 62
-        self.cost_curve, self.budget = cost_curve, None
+        self.budget = (AutoBudget(self.policy.exact, self.speech.offset, cost_curve) if max_nodes == "auto"
+                       else FixedBudget(max_nodes))
         self.stats = GenerationStats(token_rate=token_rate)
         self.policy.bind(lambda ids: model.get_output_embeddings().weight[ids.to(model.device)])
         self.cache = DynamicCache(config=model.config)
@@ -154,9 +135,6 @@ class SpeculativeSession:
         self._history: list[int] = []  # prompt ids + generated: what samplers may look back at
         self.context: list[int] = []  # the retriever's context: store-local speech ids
         self.finished = False
-        self._shadow: deque = deque()  # proposed trees waiting to be scored against the real continuation
-        self._idle = self._skip = 0  # auto budget: steps to skip the retriever while trees do not pay
-        self._declined = 0  # auto budget: trees declined so far
 
     # ---- inputs -------------------------------------------------------------------------------------
 
@@ -216,28 +194,26 @@ class SpeculativeSession:
         logits = out.logits[0, -1:].float().cpu()
         _, bonus = self.policy.walk(VerifiedTree(logits, [], [[]], self._state_at))
         emitted = self._emit([bonus])
-        if self.max_nodes == "auto" and self.retriever is not None and not self.finished:
-            self._start_budget()
+        if self.retriever is not None and not self.finished:
+            self.budget.start(self.model, self.retriever, type(self.policy), self.measure_cost_curve)
+            if self.budget.curve is not None:
+                self.stats.cost_curve = self.budget.curve.to_dict()
         return emitted
 
     # ---- the four stages ----------------------------------------------------------------------------
 
     def propose(self) -> CandidateTree:
-        """Ask the retriever for a tree and cut it to what this step can use (may be empty)."""
-        if self.retriever is None or self.finished:
-            return CandidateTree.empty()
-        if self._skip:
-            self._skip -= 1
+        """Ask the retriever for a tree and cut it to what this step can use and its budget allows (may be empty)."""
+        if self.retriever is None or self.finished or not self.budget.wants_tree():
             return CandidateTree.empty()
         depth_cap = min(self.max_depth, self.max_new_tokens - len(self.generated),
                         self.max_positions - 1 - self.cached)
-        cap = node_cap(self.max_nodes)
-        if depth_cap <= 0 or cap == 0:
+        if depth_cap <= 0 or self.budget.cap == 0:
             return CandidateTree.empty()
         start = time.perf_counter()
         try:
             tree = self.retriever.propose(np.asarray(self.context, np.int64), speaker=self.speaker,
-                                          max_nodes=cap, max_depth=depth_cap)
+                                          max_nodes=self.budget.cap, max_depth=depth_cap)
         except Exception as exc:  # noqa: BLE001 — any retriever failure only costs speed
             self.stats.retriever_errors += 1
             warnings.warn(f"retriever failed ({type(exc).__name__}: {exc}); this step runs autoregressively")
@@ -252,7 +228,7 @@ class SpeculativeSession:
             raise DecoderInputError(f"the retriever returned {type(tree).__name__}, not a CandidateTree")
         self.speech.to_model(tree.tokens)  # raises on ids outside the store's vocabulary
         tree = self._usable(tree, depth_cap)
-        return self._fit_budget(tree, cap, elapsed)
+        return self.budget.fit(tree, elapsed, len(self.generated))
 
     def _usable(self, tree: CandidateTree, depth_cap: int) -> CandidateTree:
         """Drop nodes deeper than this step may go and everything below a stop token."""
@@ -264,23 +240,7 @@ class SpeculativeSession:
                 keep.append(i)
                 if int(tree.tokens[i]) + self.speech.offset not in stops:
                     open_nodes.add(i)
-        return tree if len(keep) == len(tree) else subtree(tree, keep)
-
-    def _fit_budget(self, tree: CandidateTree, cap: int, propose_seconds: float) -> CandidateTree:
-        if not len(tree) or (self.budget is None and len(tree) <= cap):
-            return tree
-        order = prune_order(tree)
-        if self.budget is not None:
-            self._shadow.append([len(self.generated), tree, float(tree.probs[order].sum()), None])
-            chosen = self.budget.choose(tree, order, propose_seconds)
-            if not chosen and not self.policy.exact:
-                # a relaxed policy's acceptance shows only on verified trees (see _score_shadow_trees)
-                self._declined += 1
-                chosen = 0 if self._declined % EXPLORE_EVERY else min(len(tree), EXPLORE_NODES)
-            self._idle = 0 if chosen else min(2 * self._idle + 1, MAX_IDLE_STEPS)
-            self._skip = self._idle
-            cap = chosen
-        return tree if len(tree) <= cap else subtree(tree, order[:cap])
+        return tree if len(keep) == len(tree) else tree.subtree(keep)
 
     @torch.no_grad()
     def verify(self, tree: CandidateTree) -> VerifiedTree:
@@ -338,20 +298,18 @@ class SpeculativeSession:
         if self.cached >= self.max_positions:
             self.finished = True
             return []
+        position = len(self.generated)
         tree = self.propose()
         start = time.perf_counter()
         verified = self.verify(tree)
         path, bonus = self.accept(verified)
-        if len(tree) and self._shadow and self._shadow[-1][0] == len(self.generated):
-            self._shadow[-1][3] = len(path)  # verified: a relaxed policy may accept more than the output shows
         emitted = self._emit([verified.tokens[i] for i in path] + ([] if bonus is None else [bonus]))
         # the cache holds every emitted token but the last: fewer emitted (a stop, the length limit) keep fewer
         self.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
-        if self.budget is not None:
-            self.budget.observe_step(len(tree), time.perf_counter() - start)
+        self.budget.observe(position, len(tree), len(path), time.perf_counter() - start, self.generated,
+                            self.finished)
         self.stats.accepted_lengths.append(len(path))
         self.stats.node_budgets.append(len(tree))
-        self._score_shadow_trees()
         return emitted
 
     # ---- bookkeeping --------------------------------------------------------------------------------
@@ -381,22 +339,6 @@ class SpeculativeSession:
         self.stats.new_tokens = len(self.generated)
         return emitted
 
-    def _start_budget(self) -> None:
-        measured = self.cost_curve is None  # a curve the caller gives is taken as it is, never rescaled
-        if measured:
-            self.cost_curve = _CURVES.get(self.model) or self.measure_cost_curve()
-            _CURVES[self.model] = self.cost_curve
-        self.stats.cost_curve = self.cost_curve.to_dict()
-        # the acceptance seen so far carries over between utterances with the same retriever and policy kind
-        try:
-            budgets = _BUDGETS.setdefault(self.retriever, {})
-        except TypeError:  # a retriever that cannot be weakly referenced keeps its calibration per session
-            budgets = {}
-        self.budget = budgets.get(type(self.policy))
-        if self.budget is None or self.budget.curve is not self.cost_curve:
-            self.budget = budgets[type(self.policy)] = NodeBudget(self.cost_curve, AUTO_MAX_NODES,
-                                                                  calibrate_costs=measured)
-
     @torch.no_grad()
     def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 5) -> CostCurve:
         """Forward time of a verify step against tree size, on the live cache (cropped back after each).
@@ -421,29 +363,6 @@ class SpeculativeSession:
         self.stats.target_forwards = forwards
         typical = np.maximum.accumulate([float(np.median(t[1:])) for t in times])
         return CostCurve(list(sizes), [float(t) for t in typical])
-
-    def _score_shadow_trees(self) -> None:
-        """Score proposed trees against the tokens that actually followed, to calibrate the auto budget.
-
-        For the exact policies this is the length the tree would have had accepted, verified or not. A
-        relaxed policy accepts drafts the output would not have matched, so only its verified trees are
-        scored (a declined tree's match with sampled output undercounts it), and every few declined trees
-        one is verified anyway so the estimate keeps up. A tree is scored as soon as the output leaves it
-        (usually the next step), or reaches its leaves.
-        """
-        while self._shadow:
-            start, tree, predicted, accepted = self._shadow[0]
-            continuation = self.generated[start:]
-            depth = tree.matched_depth(np.asarray(continuation) - self.speech.offset)
-            if depth == len(continuation) and depth < tree.max_depth and not self.finished:
-                return
-            self._shadow.popleft()
-            if accepted is not None or self.policy.exact:
-                self.budget.observe(predicted, max(depth, accepted or 0))
-
-
-_CURVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its measured CostCurve
-_BUDGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # retriever -> {policy class: NodeBudget}
 
 
 def _check_batch(shape, dims: int, name: str) -> None:

@@ -102,6 +102,14 @@ class CandidateTree:
         """How many tokens of `sequence` the tree proposes in order (its longest matching root path)."""
         return matched_depth(self.tokens, self.parents, sequence)
 
+    def subtree(self, keep) -> "CandidateTree":
+        """The nodes `keep` (each with its parent kept), re-indexed in topological order."""
+        keep = sorted(int(i) for i in keep)
+        index = {old: new for new, old in enumerate(keep)}
+        parents = np.array([index.get(int(self.parents[i]), -1) for i in keep], np.int32)
+        return CandidateTree(tokens=self.tokens[keep], parents=parents, depths=self.depths[keep],
+                             counts=self.counts[keep], probs=self.probs[keep], sources=self.sources[keep])
+
     def children(self, node: int) -> np.ndarray:
         """Indices of `node`'s children (node -1 is the root)."""
         return np.flatnonzero(self.parents == node)

@@ -186,7 +186,7 @@ def test_auto_budget_keeps_verifying_a_few_trees_for_relaxed_policies(model):
     # A relaxed policy's acceptance shows only on verified trees, so declined ones are not scored for it and
     # every EXPLORE_EVERY-th declined tree is verified anyway (EXPLORE_NODES nodes); exact policies never explore.
     from echospec.decoder import ExactSampling, Filtered
-    from echospec.decoder.session import EXPLORE_NODES
+    from echospec.decoder.cost import EXPLORE_NODES
 
     ids = prompt(seed=5)
     cpu_like = CostCurve([0, 1, 2, 4, 8, 16, 32, 64], [1e-3 * (1 + 0.2 * n) for n in (0, 1, 2, 4, 8, 16, 32, 64)])

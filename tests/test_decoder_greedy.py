@@ -65,7 +65,7 @@ def test_compacted_cache_matches_full_forward(family, attn, speech_table):
     reference = ours(model, ids, "ids", None, 30).tokens if table is None else None
     retriever = Scripted(reference, 9, VOCAB, seed=5) if reference else PromptLookup()
     prompt_embeds = model.get_input_embeddings()(ids)
-    session = SpeculativeSession(model, retriever, ExactGreedy(), SpeechVocab(0, VOCAB), speech_embedding=table,
+    session = SpeculativeSession(model, retriever, ExactGreedy(), speech=SpeechVocab(0, VOCAB), speech_embedding=table,
                                  max_new_tokens=30)
     session.prefill(inputs_embeds=prompt_embeds) if table is not None else session.prefill(input_ids=ids)
     reordered = 0
