@@ -10,9 +10,9 @@ Knows files and the catalog, nothing of models; imports no torch.
 
 from .catalog import FORMAT_VERSION
 from .corpus import Utterance, Vocabulary, read_corpus
-from .errors import CorpusError, DatastoreError
+from .errors import CorpusError, DamagedStoreError, DatastoreError
 from .exact import ExactStore
 from .store import N_MAX, N_MIN, Datastore, build, enroll, open_datastore
 
-__all__ = ["FORMAT_VERSION", "N_MAX", "N_MIN", "CorpusError", "Datastore", "DatastoreError", "ExactStore",
-           "Utterance", "Vocabulary", "build", "enroll", "open_datastore", "read_corpus"]
+__all__ = ["FORMAT_VERSION", "N_MAX", "N_MIN", "CorpusError", "DamagedStoreError", "Datastore", "DatastoreError",
+           "ExactStore", "Utterance", "Vocabulary", "build", "enroll", "open_datastore", "read_corpus"]

@@ -7,3 +7,8 @@ class DatastoreError(Exception):
 
 class CorpusError(DatastoreError):
     """The corpus is unusable; the message names the file and, where there is one, the line."""
+
+
+class DamagedStoreError(DatastoreError):
+    """A store's files are inconsistent though the catalog accepted them (corrupted on disk): the store is
+    refused; others stay usable. `echospec info --verify` names the damaged file."""

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from .errors import DatastoreError
+from .errors import DamagedStoreError, DatastoreError
 
 FILES = ("tokens.npy", "sa.npy", "first.npy")
 MAX_TOKENS = 2**31 - 2  # int32 suffix array
@@ -222,11 +222,21 @@ class ExactStore:
             raise DatastoreError(f"{self.directory}: cannot map exact store: {e}") from None
         if self.first.shape not in ((vocab_size + 1,), (0,)) or self.tokens.dtype != stream_dtype(vocab_size):
             raise DatastoreError(f"{self.directory}: exact store does not match the catalog's vocabulary")
+        # What a header can get wrong that the kernels cannot survive (their entries they check per read).
+        if (self.tokens.ndim != 1 or self.sa.ndim != 1 or self.sa.dtype != np.int32 or self.first.dtype != np.int64
+                or len(self.sa) >= len(self.tokens)):
+            raise DamagedStoreError(f"{self.directory}: exact store is damaged (array shapes or types are wrong); "
+                                    f"run `echospec info --verify`")
         self.vocab_size = vocab_size
         self.sentinel = int(np.iinfo(self.tokens.dtype).max)
 
     def segments(self) -> list[np.ndarray]:
-        """The stored segments (used to append to a speaker's store)."""
+        """The stored segments (used to append to a speaker's store); DamagedStoreError if a stored id is
+        outside the vocabulary (it would corrupt the sort of the store they go into)."""
         stream = np.asarray(self.tokens)
         cuts = np.flatnonzero(stream == self.sentinel)
-        return [stream[a + 1:b].astype(np.int64) for a, b in itertools.pairwise(cuts) if b > a + 1]
+        segments = [stream[a + 1:b].astype(np.int64) for a, b in itertools.pairwise(cuts) if b > a + 1]
+        if any(s.max() >= self.vocab_size for s in segments):
+            raise DamagedStoreError(f"{self.directory}: exact store is damaged (a stored id is outside the "
+                                    f"vocabulary); run `echospec info --verify`")
+        return segments

@@ -6,6 +6,11 @@ kernels that call each other stay in this one file: numba's on-disk cache is inv
 file, so a caller cached in another file would keep running a stale copy of a changed callee.
 Continuations are gathered as rows of a [rows, max_depth] int64 table padded with -1, each row with
 a source, a count weight (estimated support) and a probability weight.
+
+Store files are untrusted: a damaged suffix array or first-token table must not make a kernel read
+outside its arrays (numba does not bounds-check). Every suffix-array entry and table value is checked
+before it indexes anything, and a bad one makes the store's kernel answer DAMAGED instead; valid stores
+never trigger it, and the checks cost a compare per binary-search probe and per gathered row.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ N_SOURCES = 4
 FIRST_ROW, ROWS, MATCH, OCCURRENCES = 0, 1, 2, 3
 """first row of the source's continuations in `conts`, rows written, match length, occurrences of the
 matched suffix in the store (its estimated support)"""
+DAMAGED = -1
+"""stats[source, ROWS] (and match's and narrow's answer) when a store's files hold an out-of-range entry."""
 
 
 @njit(cache=True, nogil=True)
@@ -33,12 +40,17 @@ def context_is_valid(ctx, vocab_size):
 @njit(cache=True, nogil=True)
 def narrow(tokens, sa, lo, hi, depth, c):
     """The sub-range of sa[lo:hi] whose token `depth` places left of the position is c (the range
-    is sorted by that token, all shallower ones being equal)."""
+    is sorted by that token, all shallower ones being equal); (DAMAGED, DAMAGED) if a probed entry
+    points outside the stream (in a valid store every entry of the range has `depth` tokens before it)."""
+    n = tokens.shape[0]
     a = lo
     b = hi
     while a < b:
         m = (a + b) >> 1
-        if tokens[sa[m] - depth] < c:
+        p = sa[m] - depth
+        if p < 0 or p >= n:
+            return DAMAGED, DAMAGED
+        if tokens[p] < c:
             a = m + 1
         else:
             b = m
@@ -46,7 +58,10 @@ def narrow(tokens, sa, lo, hi, depth, c):
     b = hi
     while a < b:
         m = (a + b) >> 1
-        if tokens[sa[m] - depth] <= c:
+        p = sa[m] - depth
+        if p < 0 or p >= n:
+            return DAMAGED, DAMAGED
+        if tokens[p] <= c:
             a = m + 1
         else:
             b = m
@@ -55,7 +70,8 @@ def narrow(tokens, sa, lo, hi, depth, c):
 
 @njit(cache=True, nogil=True)
 def match(tokens, sa, first, ctx, n_max, los, his):
-    """Deepest k <= n_max such that the context's last k tokens occur in the store.
+    """Deepest k <= n_max such that the context's last k tokens occur in the store (DAMAGED if the
+    store's files hold an out-of-range entry).
 
     los[d], his[d] receive the sa range of the last d tokens for d = 1..k, and los[k + 1] (=
     his[k + 1]) where the next longer suffix would be (the middle when there is none to try).
@@ -71,8 +87,12 @@ def match(tokens, sa, first, ctx, n_max, los, his):
             return 0
         lo = first[c]
         hi = first[c + 1]
+        if lo < 0 or hi > sa.shape[0]:
+            return DAMAGED
     else:  # a small store keeps no first-token table: search its range like any other step
         lo, hi = narrow(tokens, sa, 0, sa.shape[0], 0, c)
+        if lo == DAMAGED:
+            return DAMAGED
     if lo >= hi:
         return 0
     los[1] = lo
@@ -81,6 +101,8 @@ def match(tokens, sa, first, ctx, n_max, los, his):
     limit = min(n_max, n)
     while k < limit:
         new_lo, a = narrow(tokens, sa, lo, hi, k, ctx[n - 1 - k])
+        if new_lo == DAMAGED:
+            return DAMAGED
         if a == new_lo:
             los[k + 1] = a  # where the longer suffix would sit: its nearest neighbours surround it
             his[k + 1] = a
@@ -118,10 +140,13 @@ def gather_store(tokens, sa, first, ctx, n_min, n_max, min_support, cap, out, ro
     occurrences (the longest match when none has that many). With more than `cap` occurrences, the
     `cap` taken are a contiguous block of the suffix array centred where the next longer suffix
     sits: the occurrences whose further-left context is closest to this one's, read from
-    consecutive memory. Returns (rows written, match length, occurrences)."""
+    consecutive memory. Returns (rows written, match length, occurrences); rows is DAMAGED when the
+    store's files hold an out-of-range entry."""
     los = np.empty(n_max + 2, np.int64)
     his = np.empty(n_max + 2, np.int64)
     k = match(tokens, sa, first, ctx, n_max, los, his)
+    if k == DAMAGED:
+        return DAMAGED, 0, 0
     if k < n_min:
         return 0, k, 0
     d = k
@@ -136,8 +161,12 @@ def gather_store(tokens, sa, first, ctx, n_min, n_max, min_support, cap, out, ro
     centre = (los[d + 1] + his[d + 1]) >> 1
     start = min(max(lo, centre - m // 2), hi - m)
     sentinel = np.iinfo(tokens.dtype).max
+    n = tokens.shape[0]
     for j in range(m):
-        copy_continuation(tokens, sa[start + j] + 1, sentinel, out, row0 + j)
+        p = sa[start + j]
+        if p < 0 or p >= n:
+            return DAMAGED, 0, 0
+        copy_continuation(tokens, p + 1, sentinel, out, row0 + j)
     return m, d, count
 
 
@@ -312,7 +341,8 @@ def gather_exact(ctx, general, speaker, use_speaker, use_prompt, n_min, n_max, p
 
     `general` and `speaker` are (tokens, sa, first) triples. Returns `conts`, a [rows, max_depth] table
     with room for `extra_rows` more (FAISS), and `stats[source]` = (FIRST_ROW, ROWS, MATCH, OCCURRENCES);
-    stats[FAISS, FIRST_ROW] is where FAISS rows would start.
+    stats[FAISS, FIRST_ROW] is where FAISS rows would start, or DAMAGED when a damaged store stopped the
+    gathering (stats[that source, ROWS] is DAMAGED too): one value for the caller to check.
     """
     conts = np.empty((3 * cap + extra_rows, max_depth), np.int64)
     stats = np.zeros((N_SOURCES, 4), np.int64)
@@ -324,10 +354,13 @@ def gather_exact(ctx, general, speaker, use_speaker, use_prompt, n_min, n_max, p
     if use_speaker:
         m, k, occ = gather_store(speaker[0], speaker[1], speaker[2], ctx, n_min, n_max, min_support, cap, conts, row)
         record(stats, SPEAKER, row, m, k, occ)
+        if m == DAMAGED:
+            stats[FAISS, FIRST_ROW] = DAMAGED
+            return conts, stats
         row += m
     m, k, occ = gather_store(general[0], general[1], general[2], ctx, n_min, n_max, min_support, cap, conts, row)
     record(stats, GENERAL, row, m, k, occ)
-    stats[FAISS, FIRST_ROW] = row + m
+    stats[FAISS, FIRST_ROW] = DAMAGED if m == DAMAGED else row + m
     return conts, stats
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..datastore import Datastore, open_datastore
+from ..datastore import DamagedStoreError, Datastore, open_datastore
 from . import kernels
 from .tree import CandidateTree
 
@@ -94,7 +94,7 @@ class Retriever:
                 max_depth: int | None = None) -> CandidateTree:
         """Candidate continuations of `context`: 1-D ints, store-local ids (the request's prompt speech
         tokens followed by its output so far). Raises ValueError for ids outside the vocabulary or an
-        unknown speaker.
+        unknown speaker, and DamagedStoreError (a DatastoreError) when the store it reads is corrupted.
 
         Worked example: if the store holds "5 6 7 8" twice and "5 6 9" once, the context [1, 5, 6] matches
         the suffix "5 6" three times (with `min_support` <= 3), so the rows gathered are [7, 8], [7, 8] and
@@ -111,6 +111,7 @@ class Retriever:
         if len(ctx) == 0 or max_nodes <= 0 or max_depth <= 0:
             return CandidateTree.empty()
         speaker_store = self._general
+        store = None
         if speaker is not None:
             store = self.datastore.speaker_store(speaker)
             if store is None:
@@ -122,6 +123,10 @@ class Retriever:
             use_prompt=self.prompt_lookup, n_min=self.n_min, n_max=self.n_max, prompt_n_min=self.prompt_n_min,
             min_support=self.min_support, cap=self.cap, window=self.prompt_window, max_depth=max_depth,
             extra_rows=0 if faiss is None else self.faiss_k)
+        if stats[kernels.FAISS, kernels.FIRST_ROW] == kernels.DAMAGED:
+            damaged = store if stats[kernels.SPEAKER, kernels.ROWS] == kernels.DAMAGED else self.datastore.general
+            raise DamagedStoreError(f"{damaged.directory}: store is damaged (a suffix-array or first-token entry "
+                                    f"is out of range); run `echospec info --verify {self.datastore.root}`")
         exact_match = max(stats[kernels.SPEAKER, kernels.MATCH], stats[kernels.GENERAL, kernels.MATCH])
         if faiss is not None and exact_match < self.faiss_below:
             rows = kernels.gather_positions(tokens=self._general[0], positions=faiss.search(ctx, self.faiss_k),
@@ -131,3 +136,4 @@ class Retriever:
             stats[kernels.FAISS, kernels.ROWS:] = (rows, 1, rows)
         return CandidateTree.trusted(kernels.finish(conts=conts, stats=stats, weights=self.weights,
                                                     max_nodes=max_nodes))
+

@@ -1,0 +1,128 @@
+"""A damaged store is refused, never read out of bounds: the kernels check every suffix-array and
+first-token entry before it indexes anything, `Retriever.propose` raises DamagedStoreError naming the
+store, and the other stores of the datastore keep answering."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from echospec.datastore import DamagedStoreError, DatastoreError, build, open_datastore
+from echospec.retriever import Retriever
+
+
+def make_corpus(path, n_utts=60, seed=0, vocab=64):
+    rng = np.random.default_rng(seed)
+    utterances = [{"id": f"u{i}", "speaker": f"s{i % 3}", "tokens": rng.integers(0, vocab, 40).tolist()}
+                  for i in range(n_utts)]
+    path.write_text("".join(json.dumps(u) + "\n" for u in utterances))
+    return path, utterances
+
+
+@pytest.fixture
+def store(tmp_path):
+    corpus, utterances = make_corpus(tmp_path / "c.jsonl")
+    build(corpus, tmp_path / "store", faiss=False, progress=False)
+    return tmp_path / "store", utterances
+
+
+def contexts(utterances):
+    """Every prefix of every utterance (2 tokens and up): between them they reach every sa entry."""
+    return [np.array(u["tokens"][:end]) for u in utterances for end in range(2, len(u["tokens"]) + 1, 3)]
+
+
+def overwrite(path, every, value):
+    """Overwrite entries of a stored array in place (same size, so the catalog's size check passes)."""
+    arr = np.load(path, mmap_mode="r+")
+    arr[::every] = value
+    arr.flush()
+    del arr
+
+
+def proposals(retriever, utterances, speaker=None):
+    return [retriever.propose(c, speaker=speaker).tokens.tolist() for c in contexts(utterances)]
+
+
+def test_corrupted_suffix_array_is_refused_not_a_crash(store):
+    """The issue's reproducer, in a child process: on the old kernels it died with SIGSEGV."""
+    root, utterances = store
+    overwrite(root / "general" / "sa.npy", 97, 2**31 - 5)
+    code = f"""
+import json, numpy as np
+from echospec.datastore import DamagedStoreError
+from echospec.retriever import Retriever
+try:
+    retriever = Retriever({str(root)!r})
+    for u in json.loads({json.dumps(json.dumps(utterances))}):
+        for end in range(2, len(u["tokens"]) + 1):
+            retriever.propose(np.array(u["tokens"][:end]))
+    print("answered everything")
+except DamagedStoreError as e:
+    print("refused:", e)
+"""
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.startswith("refused: ") and "general: store is damaged" in child.stdout
+    assert f"echospec info --verify {root}" in child.stdout
+    with pytest.raises(DatastoreError, match="checksum mismatch"):
+        open_datastore(root, verify=True)
+
+
+@pytest.mark.parametrize("value", [2**31 - 5, -(2**31), -1, 10**6])
+def test_damaged_speaker_store_leaves_the_others_answering(store, value):
+    root, utterances = store
+    retriever = Retriever(root, use_faiss=False)
+    before = {s: proposals(retriever, utterances, s) for s in (None, "s1")}
+    ds = open_datastore(root)
+    overwrite(ds.speaker_store("s0").directory / "sa.npy", 5, value)  # a small store: no first-token table
+    retriever = Retriever(root, use_faiss=False)
+    with pytest.raises(DamagedStoreError, match=r"speakers/s0-[0-9a-f-]+: store is damaged"):
+        proposals(retriever, utterances, "s0")
+    assert {s: proposals(retriever, utterances, s) for s in (None, "s1")} == before
+
+
+def test_damaged_first_token_table_is_refused(store):
+    root, utterances = store
+    first = root / "general" / "first.npy"
+    assert np.load(first).size  # the general store keeps a first-token table
+    overwrite(first, 7, 2**40)
+    with pytest.raises(DamagedStoreError, match="general: store is damaged"):
+        proposals(Retriever(root, use_faiss=False), utterances)
+
+
+def test_random_suffix_array_damage_answers_or_refuses(store):
+    """Entries replaced by random values (in and out of range): every proposal is a valid tree over
+    the vocabulary or a DamagedStoreError."""
+    root, utterances = store
+    sa_path = root / "general" / "sa.npy"
+    original = np.load(sa_path)
+    rng = np.random.default_rng(1)
+    outcomes = set()
+    for trial in range(6):
+        sa = np.load(sa_path, mmap_mode="r+")
+        sa[:] = original
+        where = rng.choice(len(sa), 8, replace=False)
+        sa[where] = rng.integers(-(2**31), 2**31 - 1, 8) if trial % 2 else rng.integers(0, 3 * len(sa), 8)
+        sa.flush()
+        del sa
+        retriever = Retriever(root, use_faiss=False)
+        for context in contexts(utterances)[::7]:
+            try:
+                tree = retriever.propose(context)
+            except DamagedStoreError:
+                outcomes.add("refused")
+                continue
+            outcomes.add("answered")
+            assert np.all(tree.parents < np.arange(len(tree)))
+    assert outcomes == {"answered", "refused"}
+
+
+@pytest.mark.parametrize("name, dtype", [("sa.npy", np.int64), ("sa.npy", np.float32), ("first.npy", np.int32)])
+def test_wrong_array_types_are_refused_at_open(store, name, dtype):
+    root, _ = store
+    path = root / "general" / name
+    arr = np.load(path)
+    np.save(path, arr.astype(dtype))  # the size check may or may not notice; the type check must
+    with pytest.raises(DatastoreError):
+        Retriever(root, use_faiss=False)
