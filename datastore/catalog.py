@@ -1,7 +1,8 @@
 """The catalog: one SQLite database per datastore (`catalog.sqlite`), kept with sqlite-utils.
 
 Tables
-  meta        key -> JSON value: format_version, vocabulary (speech_offset, vocab_size, stop_ids),
+  meta        key -> JSON value: format_version, vocabulary (speech_offset, vocab_size, stop_ids,
+              drop_ids, codebooks: the interleaved-codebook layout of the speech ids),
               n_min, n_max, sort_depth, dtype, build parameters, created_at, updated_at
   stores      one row per store: name ("general", "speaker:<name>", "faiss"), kind, directory,
               utterances, segments, tokens, bytes, created_at, params (JSON)

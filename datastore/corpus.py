@@ -2,7 +2,9 @@
 
 Every reader yields `Utterance`s whose tokens are already store-local speech ids (raw id minus
 `speech_offset`, checked against `vocab_size`). Stop ids split an utterance where they occur and never
-enter a store, so no continuation runs through an end-of-speech token.
+enter a store, so no continuation runs through an end-of-speech token. Drop ids (markers such as LLaSA's
+<|SPEECH_GENERATION_START|>) are removed wherever they occur, as a decoder leaves them out of the
+retriever's context.
 
 Formats
   * JSONL, one utterance a line: ``{"id": "u1", "speaker": "ann", "tokens": [12, 7, ...]}``.
@@ -41,6 +43,7 @@ class Vocabulary:
     speech_offset: int = 0
     size: int | None = None  # None: the largest local id seen + 1
     stop_ids: tuple[int, ...] = ()  # raw ids that end a segment and are never stored
+    drop_ids: tuple[int, ...] = ()  # raw marker ids removed wherever they occur (they split nothing)
 
 
 def read_corpus(paths: str | Path | Sequence[str | Path], vocab: Vocabulary) -> Iterator[Utterance]:
@@ -178,6 +181,10 @@ def to_local_ids(raw, where: str, vocab: Vocabulary) -> np.ndarray:
     arr = arr.astype(np.int64, copy=False)
     if not arr.size:
         return arr
+    if vocab.drop_ids:
+        arr = arr[~np.isin(arr, np.asarray(vocab.drop_ids, np.int64))]
+        if not arr.size:
+            return arr
     lowest, highest = int(arr.min()), int(arr.max())
     if lowest < 0:
         raise CorpusError(f"{where}: negative token id {lowest}")
@@ -190,10 +197,10 @@ def to_local_ids(raw, where: str, vocab: Vocabulary) -> np.ndarray:
     offset = vocab.speech_offset
     if lowest < offset:
         raise CorpusError(f"{where}: token id {lowest} is below the speech range "
-                          f"(speech_offset {offset}) and is not a stop id")
+                          f"(speech_offset {offset}) and is not a stop id (a marker id? drop it: --drop-id)")
     if vocab.size is not None and highest >= offset + vocab.size:
         raise CorpusError(f"{where}: token id {highest} is outside the speech range "
-                          f"{offset}..{offset + vocab.size - 1} and is not a stop id")
+                          f"{offset}..{offset + vocab.size - 1} and is not a stop id (a marker id? drop it: --drop-id)")
     local = arr - offset if offset else arr
     return local if stop is None else np.where(stop, -1, local)
 

@@ -45,23 +45,26 @@ tokens/step, and each extra key word costs the build's radix sort ~6 passes."""
 
 def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embeddings=None,
           speech_offset: int = 0, vocab_size: int | None = None, stop_ids: Iterable[int] = (),
-          n_min: int = N_MIN, n_max: int = N_MAX, force: bool = False, progress: bool = True,
-          faiss_options: dict | None = None) -> Datastore:
+          drop_ids: Iterable[int] = (), codebooks: int = 1, n_min: int = N_MIN, n_max: int = N_MAX,
+          force: bool = False, progress: bool = True, faiss_options: dict | None = None) -> Datastore:
     """Build a datastore from a corpus (JSONL, JSONL manifest of .npy, or .npz; see corpus.py).
 
     `speech_offset`, `vocab_size` and `stop_ids` map raw model ids to store-local speech ids
     (local = raw - speech_offset, 0 <= local < vocab_size; stop ids end a segment and are never
-    stored). `per_speaker` builds one exact store per speaker besides the general one; `faiss`
+    stored); `drop_ids` are marker ids removed wherever they occur. `codebooks` > 1 records that the
+    speech ids interleave that many codebooks (local id // (vocab_size / codebooks) is the codebook,
+    codebooks cycling in order), so retrievers propose only ids valid at the next position.
+    `per_speaker` builds one exact store per speaker besides the general one; `faiss`
     adds a FAISS store whose context vectors come from `embeddings` (a .npy or .safetensors table)
     or, when None, from the corpus. An existing `store_dir` is replaced only with `force`.
     """
-    _check_build_options(vocab_size, speech_offset, n_min, n_max)
+    _check_build_options(vocab_size, speech_offset, n_min, n_max, codebooks)
     target = Path(store_dir)
     _check_target(target, force)
     if faiss and embeddings is not None and not Path(embeddings).is_file():
         raise DatastoreError(f"{embeddings}: embedding file not found")
     vocab = Vocabulary(int(speech_offset), None if vocab_size is None else int(vocab_size),
-                       tuple(int(s) for s in stop_ids))
+                       tuple(int(s) for s in stop_ids), tuple(int(d) for d in drop_ids))
     started = time.perf_counter()
     bar = tqdm(desc="reading corpus", unit=" utt", disable=not progress, leave=False)
     utterances = collect(_counted(read_corpus(corpus, vocab), bar), per_speaker)
@@ -71,8 +74,11 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
     if n_tokens == 0:
         raise CorpusError(f"{_corpus_name(corpus)}: corpus is empty (no speech tokens)")
     if vocab.size is None:
-        vocab = Vocabulary(vocab.speech_offset, max(int(s.max()) for segs in segments for s in segs) + 1,
-                           vocab.stop_ids)
+        largest = max(int(s.max()) for segs in segments for s in segs)
+        vocab = Vocabulary(vocab.speech_offset, -(-(largest + 1) // codebooks) * codebooks, vocab.stop_ids,
+                           vocab.drop_ids)
+    split = [_split_layout_breaks(segs, vocab.size, codebooks) for segs in segments]
+    segments, layout_breaks = [segs for segs, _ in split], sum(n for _, n in split)
     speakers = _group_by_speaker(utterances, segments) if per_speaker else {}
     _remove_abandoned_builds(target)
     tmp = target.parent / f".{target.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -80,7 +86,7 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
     try:
         steps = tqdm(total=1 + len(speakers) + bool(faiss), desc="building", unit=" store",
                      disable=not progress)
-        db = catalog.create(tmp, _meta(vocab, n_min, n_max, per_speaker, faiss, corpus))
+        db = catalog.create(tmp, _meta(vocab, codebooks, n_min, n_max, per_speaker, faiss, corpus))
         all_segments = [s for segs in segments for s in segs]
         steps.set_description("general store")
         counts = write_exact_store(tmp / "general", all_segments, vocab.size, n_max)
@@ -101,7 +107,8 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
                           {"tokens": info.pop("vectors"), "segments": 0}, kind="faiss", params=info)
             steps.update()
         _insert_utterances(db, utterances)
-        catalog.set_meta(db, {"build_seconds": round(time.perf_counter() - started, 3)})
+        catalog.set_meta(db, {"build_seconds": round(time.perf_counter() - started, 3),
+                              "layout_breaks": layout_breaks})
         catalog.finish(db, tmp)
         _fsync_tree(tmp)
         steps.close()
@@ -125,11 +132,12 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False) -> Datastore:
     with _locked(root):
         ds = open_datastore(root)
         _remove_abandoned_enrollments(ds)
-        vocab = Vocabulary(ds.speech_offset, ds.vocab_size, ds.stop_ids)
+        vocab = Vocabulary(ds.speech_offset, ds.vocab_size, ds.stop_ids, ds.drop_ids)
         new = list(read_corpus(corpus, vocab))
         segments = [s for u in new for s in split_segments(u.tokens)]
         if not segments:
             raise CorpusError(f"{_corpus_name(corpus)}: corpus is empty (no speech tokens)")
+        segments, _ = _split_layout_breaks(segments, ds.vocab_size, ds.codebooks)
         old_dir = ds._speaker_dirs.get(speaker)
         old_rows = ds.catalog_speaker(speaker)
         if old_dir is not None and not replace:
@@ -183,6 +191,8 @@ class Datastore:
         self.vocab_size = int(self.meta["vocab_size"])
         self.speech_offset = int(self.meta["speech_offset"])
         self.stop_ids = tuple(self.meta["stop_ids"])
+        self.drop_ids = tuple(self.meta.get("drop_ids", ()))
+        self.codebooks = int(self.meta.get("codebooks", 1))  # stores built before codebooks existed have one
         self.n_min, self.n_max = int(self.meta["n_min"]), int(self.meta["n_max"])
         self.sort_depth = int(self.meta["sort_depth"])
         self._speaker_dirs = {name: root / self._stores[row["store"]]["directory"]
@@ -265,7 +275,8 @@ class Datastore:
             "path": str(self.root),
             "format_version": meta["format_version"],
             "vocabulary": {"speech_offset": self.speech_offset, "size": self.vocab_size,
-                           "stop_ids": list(self.stop_ids), "dtype": meta["dtype"]},
+                           "stop_ids": list(self.stop_ids), "drop_ids": list(self.drop_ids),
+                           "codebooks": self.codebooks, "dtype": meta["dtype"]},
             "n_min": self.n_min, "n_max": self.n_max,
             "utterances": general["utterances"], "tokens": general["tokens"],
             "speakers": {name: {"utterances": r["utterances"], "tokens": r["tokens"],
@@ -285,9 +296,11 @@ class Datastore:
                 f"speakers={len(self._speakers)}, faiss={self.has_faiss})")
 
 
-def _check_build_options(vocab_size, speech_offset, n_min, n_max) -> None:
+def _check_build_options(vocab_size, speech_offset, n_min, n_max, codebooks) -> None:
     if vocab_size is not None and not (0 < int(vocab_size) < 2**32 - 1):
         raise DatastoreError(f"vocab_size must be between 1 and {2**32 - 2}, got {vocab_size}")
+    if int(codebooks) < 1 or (vocab_size is not None and int(vocab_size) % int(codebooks)):
+        raise DatastoreError(f"codebooks must be >= 1 and divide vocab_size, got {codebooks} and {vocab_size}")
     if int(speech_offset) < 0:
         raise DatastoreError(f"speech_offset must be >= 0, got {speech_offset}")
     if not 1 <= int(n_min) <= int(n_max) <= 64:
@@ -352,8 +365,24 @@ def _group_by_speaker(utterances: list[Utterance], segments: list[list[np.ndarra
     return dict(sorted(groups.items()))
 
 
-def _meta(vocab: Vocabulary, n_min, n_max, per_speaker, faiss, corpus) -> dict:
+def _split_layout_breaks(segments: list[np.ndarray], vocab_size: int, codebooks: int) -> tuple[list[np.ndarray], int]:
+    """With interleaved codebooks, a token must be in the codebook after its predecessor's (cyclically):
+    split segments where one is not (a lost token), so no stored continuation crosses a break. Returns the
+    segments and the number of breaks."""
+    if codebooks == 1:
+        return segments, 0
+    width, out, breaks = vocab_size // codebooks, [], 0
+    for seg in segments:
+        book = seg // width
+        cuts = np.flatnonzero(book[1:] != (book[:-1] + 1) % codebooks) + 1
+        breaks += len(cuts)
+        out.extend(np.split(seg, cuts) if len(cuts) else [seg])
+    return out, breaks
+
+
+def _meta(vocab: Vocabulary, codebooks, n_min, n_max, per_speaker, faiss, corpus) -> dict:
     return {"vocab_size": vocab.size, "speech_offset": vocab.speech_offset, "stop_ids": list(vocab.stop_ids),
+            "drop_ids": list(vocab.drop_ids), "codebooks": int(codebooks),
             "dtype": stream_dtype(vocab.size).name, "n_min": int(n_min), "n_max": int(n_max),
             "sort_depth": int(n_max),
             "build": {"corpus": _corpus_name(corpus), "per_speaker": per_speaker, "faiss": bool(faiss)}}

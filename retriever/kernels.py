@@ -204,6 +204,24 @@ def gather_positions(tokens, positions, vocab, out, row0):
 
 
 @njit(cache=True, nogil=True)
+def keep_layout(conts, n_rows, last, width, codebooks):
+    """Interleaved codebooks: cut every row at its first token outside the codebook due at its place.
+    The context's last token is in codebook last // width, so row position t must be in codebook
+    (last // width + 1 + t) % codebooks. Approximate sources (FAISS) can propose any id; this makes every
+    source propose only ids valid at their position."""
+    due = (last // width + 1) % codebooks
+    for r in range(n_rows):
+        for t in range(conts.shape[1]):
+            v = conts[r, t]
+            if v < 0:
+                break
+            if v // width != (due + t) % codebooks:
+                for u in range(t, conts.shape[1]):
+                    conts[r, u] = -1
+                break
+
+
+@njit(cache=True, nogil=True)
 def build_tree(conts, n_rows, wcount, wprob, src, max_nodes):
     """Merge continuation rows into a trie and keep the `max_nodes` most probable nodes.
 

@@ -9,6 +9,10 @@ worth its source's weight times the source's match length. A node's probability 
 the rows through it over the total (counts turned into probabilities, as SuffixDecoding does); the
 merged trie keeps the `max_nodes` most probable nodes up to `max_depth`.
 
+With interleaved codebooks (a store built with `codebooks` > 1, as Orpheus' 7-token SNAC frames), every
+row is cut at its first id outside the codebook due at its place, and FAISS neighbours are taken among
+contexts ending in the context's own codebook, so no source proposes an id impossible at its position.
+
 Defaults, chosen by oracle acceptance (tokens per step = accepted + 1) on 60 held-out utterances of a
 1M-token speech-like corpus, each replayed behind a 6 s same-speaker prompt; every figure changes one
 setting from the defaults, which score 2.635 (`python -m echospec.tools.retriever_defaults`):
@@ -82,9 +86,20 @@ class Retriever:
         self.weights = np.asarray(weights, np.float64)
         if self.weights.shape != (4,) or np.any(self.weights < 0):
             raise ValueError("weights must be 4 non-negative numbers (prompt, speaker, general, faiss)")
-        self.vocab_size = ds.vocab_size
+        self.vocab_size, self.codebooks = ds.vocab_size, ds.codebooks
+        self._width = ds.vocab_size // ds.codebooks  # ids per codebook
         self._general = (ds.general.tokens, ds.general.sa, ds.general.first)
         self.propose(np.zeros(1, np.int64))  # JIT warm-up (numba's cache): the first request pays nothing
+
+    def _neighbours(self, ctx: np.ndarray) -> np.ndarray:
+        """Stream positions of the FAISS store's nearest contexts. With interleaved codebooks, only those
+        ending in the context's own codebook (asked for codebooks x as many, so enough remain): their
+        continuations then start in the codebook due next."""
+        if self.codebooks == 1:
+            return self.faiss.search(ctx, self.faiss_k)
+        positions = self.faiss.search(ctx, self.faiss_k * self.codebooks)
+        same = np.asarray(self._general[0][positions]) // self._width == ctx[-1] // self._width
+        return positions[same][: self.faiss_k]
 
     @property
     def speakers(self) -> tuple[str, ...]:
@@ -129,11 +144,15 @@ class Retriever:
                                     f"is out of range); run `echospec info --verify {self.datastore.root}`")
         exact_match = max(stats[kernels.SPEAKER, kernels.MATCH], stats[kernels.GENERAL, kernels.MATCH])
         if faiss is not None and exact_match < self.faiss_below:
-            rows = kernels.gather_positions(tokens=self._general[0], positions=faiss.search(ctx, self.faiss_k),
+            rows = kernels.gather_positions(tokens=self._general[0], positions=self._neighbours(ctx),
                                             vocab=self.vocab_size, out=conts,
                                             row0=stats[kernels.FAISS, kernels.FIRST_ROW])
             # a neighbour's match is one token, its support the rows found
             stats[kernels.FAISS, kernels.ROWS:] = (rows, 1, rows)
+        if self.codebooks > 1:
+            kernels.keep_layout(conts=conts, n_rows=stats[kernels.FAISS, kernels.FIRST_ROW] +
+                                stats[kernels.FAISS, kernels.ROWS], last=ctx[-1], width=self._width,
+                                codebooks=self.codebooks)
         return CandidateTree.trusted(kernels.finish(conts=conts, stats=stats, weights=self.weights,
                                                     max_nodes=max_nodes))
 

@@ -32,7 +32,8 @@ def test_catalog_records_everything(store):
     info = open_datastore(store).info()
     assert info["format_version"] == FORMAT_VERSION
     assert info["utterances"] == 40 and info["tokens"] == 1200
-    assert info["vocabulary"] == {"speech_offset": 0, "size": 64, "stop_ids": [], "dtype": "uint16"}
+    assert info["vocabulary"] == {"speech_offset": 0, "size": 64, "stop_ids": [], "drop_ids": [], "codebooks": 1,
+                                  "dtype": "uint16"}
     assert (info["n_min"], info["n_max"]) == (1, 8)
     assert set(info["speakers"]) == {"s0", "s1", "s2"} and info["speakers"]["s0"]["utterances"] == 14
     assert [s["name"] for s in info["stores"]] == ["general", "speaker:s0", "speaker:s1", "speaker:s2"]
