@@ -73,7 +73,7 @@ def test_bad_input_is_refused_clearly(model):
         generate(model, OutOfRange(), input_ids=prompt(), speech=SpeechVocab(0, VOCAB), max_new_tokens=5)
     with pytest.raises(DecoderInputError, match="not a CandidateTree"):
         generate(model, NotATree(), input_ids=prompt(), max_new_tokens=5)
-    with pytest.raises(DecoderInputError, match="reaches past"):
+    with pytest.raises(DecoderInputError, match="do not cover the speech ids"):
         generate(model, None, input_ids=prompt(), speech=SpeechVocab(10, VOCAB), max_new_tokens=5)
     with pytest.raises(DecoderInputError, match="padded"):
         ids = prompt()
