@@ -13,7 +13,6 @@ or enrollment leaves either the old datastore or nothing that looks like one.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import json
@@ -34,6 +33,7 @@ from . import catalog
 from .corpus import Utterance, Vocabulary, collect, read_corpus, split_segments
 from .errors import CorpusError, DatastoreError
 from .exact import ExactStore, stream_dtype, write_exact_store
+from .files import fsync_dir, fsync_tree, replace_dir
 
 N_MIN = 1
 """Shortest context suffix an exact store matches: a one-token match still beats proposing nothing
@@ -103,9 +103,9 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
         _insert_utterances(db, utterances)
         catalog.set_meta(db, {"build_seconds": round(time.perf_counter() - started, 3)})
         catalog.finish(db, tmp)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         steps.close()
-        _replace_dir(tmp, target)
+        replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -139,10 +139,10 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False) -> Datastore:
         tmp = root / f".enroll-{uuid.uuid4().hex[:8]}"
         try:
             counts = write_exact_store(tmp, segments, ds.vocab_size, ds.sort_depth)
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             final.parent.mkdir(exist_ok=True)
             os.rename(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -386,53 +386,6 @@ def _insert_utterances(db, utterances: list[Utterance]) -> None:
             "INSERT INTO utterances (id, speaker, tokens, source, extra) VALUES (?, ?, ?, ?, ?)",
             ((u.id, u.speaker, int((u.tokens >= 0).sum()), u.where, json.dumps(u.extra) if u.extra else None)
              for u in utterances))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Make everything under `root` durable before it is renamed into place."""
-    if _syncfs(root):
-        return
-    for path in sorted(root.rglob("*"), reverse=True):
-        if path.is_file():
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())
-        else:
-            _fsync_dir(path)
-    _fsync_dir(root)
-
-
-def _syncfs(path: Path) -> bool:
-    """Linux syncfs(2): one call instead of one fsync per file (a store has 3 files per speaker;
-    at ~4 ms an fsync, per-file syncing cost more than sorting a 1M-token corpus)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(path, os.O_RDONLY)
-    except (OSError, AttributeError):
-        return False
-    try:
-        return getattr(libc, "syncfs", None) is not None and libc.syncfs(fd) == 0
-    finally:
-        os.close(fd)
-
-
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Rename `tmp` to `target`; an existing target (checked by _check_target) is swapped out first."""
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(target, old)
-    os.rename(tmp, target)
-    _fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager
