@@ -10,11 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from echospec.datastore import build
-from echospec.tools.synth_corpus import SynthConfig, generate
+from echospec.tools.corpus.synth_corpus import SynthConfig, generate
 
 API_KEY = "test-key-0123456789"
 ECHOSPEC = str(Path(sys.executable).with_name("echospec"))  # the console script of the venv running the tests
@@ -53,27 +54,43 @@ def copy_store(store: Path, target: Path) -> Path:
     return target
 
 
+PRETEND_UVICORN = ("import sys, uvicorn; uvicorn.__version__ = sys.argv.pop(1); "
+                   "from echospec.tools.cli import main; main(prog_name='echospec')")
+"""`echospec serve` under a uvicorn that says it is another version (argv[1]): the real check in
+fast_http.py then refuses the fast path and the service runs on uvicorn's own protocol."""
+
+
 class Server:
-    """`echospec serve STORE --port N` as a subprocess; `url` once `/healthz` answers."""
+    """`echospec serve STORE --port N` as a subprocess; `url` once `/healthz` answers.
+
+    `uvicorn_version`: make the service believe the installed uvicorn is that version (see PRETEND_UVICORN)."""
 
     def __init__(self, *stores: Path | str, port: int | None = None, api_key: str | None = API_KEY,
-                 args: tuple[str, ...] = ()):
+                 args: tuple[str, ...] = (), uvicorn_version: str | None = None):
         self.stores, self.port, self.api_key, self.args = [str(s) for s in stores], port or free_port(), api_key, args
+        self.uvicorn_version = uvicorn_version
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+        self.log = tempfile.TemporaryFile()  # the service's stdout and stderr, every start
+
+    def output(self) -> str:
+        """What the service has printed so far (its log)."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
     def start(self, timeout: float = 60.0) -> "Server":
         env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
         env.pop("ECHOSPEC_API_KEY", None)
         if self.api_key:
             env["ECHOSPEC_API_KEY"] = self.api_key
-        command = [ECHOSPEC, "serve", *self.stores, "--port", str(self.port), *self.args]
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        program = [ECHOSPEC] if self.uvicorn_version is None else [sys.executable, "-c", PRETEND_UVICORN,
+                                                                   self.uvicorn_version]
+        command = [*program, "serve", *self.stores, "--port", str(self.port), *self.args]
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n"
-                                   f"{self.process.stdout.read().decode(errors='replace')}")
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.output()}")
             try:
                 status, _, body = request(self.url, "GET", "/healthz", timeout=1.0)
                 if status == 200 and json.loads(body)["pid"] == self.process.pid:  # ours, not a port squatter
