@@ -146,8 +146,7 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False) -> Datastore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        db = catalog.open_catalog(root)
-        with db.atomic():  # one transaction: the catalog points at the old store or the new one
+        with catalog.opened(root) as db, db.atomic():  # one transaction: the old store or the new one
             _record_store(db, root, f"speaker:{speaker}", final, speaker, n_utts, counts)
             if replace:
                 db["utterances"].delete_where("speaker = ?", [speaker])
@@ -155,15 +154,15 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False) -> Datastore:
                 u.speaker = speaker
             _insert_utterances(db, new)
             catalog.set_meta(db, {"updated_at": catalog.now()})
-        db.conn.close()
         if old_dir is not None:
             shutil.rmtree(old_dir, ignore_errors=True)
     return open_datastore(root)
 
 
 def open_datastore(store_dir, verify: bool = False) -> Datastore:
-    """Open a datastore: read the catalog, check the format version and every file's size (and
-    sha256 with `verify`), and memory-map the general store. Speaker stores map on first use."""
+    """Open a datastore: read and check the catalog (format version, the rows a reader follows) and
+    every file's size, and memory-map the general store; speaker stores map on first use. `verify`
+    adds SQLite's integrity check, every file's sha256 and the catalog's own consistency (catalog.read)."""
     return Datastore(Path(store_dir), verify)
 
 
@@ -172,14 +171,9 @@ class Datastore:
 
     def __init__(self, root: Path, verify: bool = False):
         self.root = root
-        db = catalog.open_catalog(root)
-        try:
-            self._files = catalog.check_files(db, root, verify)
-            self.meta = catalog.read_meta(db)
-            self._stores = {row["name"]: row for row in db["stores"].rows}
-            self._speakers = {row["name"]: row for row in db["speakers"].rows}
-        finally:
-            db.conn.close()
+        contents = catalog.read(root, verify)
+        self.meta, self._stores, self._speakers, self._files = (contents.meta, contents.stores, contents.speakers,
+                                                                contents.files)
         self.vocab_size = int(self.meta["vocab_size"])
         self.speech_offset = int(self.meta["speech_offset"])
         self.stop_ids = tuple(self.meta["stop_ids"])
@@ -217,12 +211,11 @@ class Datastore:
         try:
             return ExactStore(self._speaker_dirs[speaker], self.vocab_size)
         except DatastoreError:
-            db = catalog.open_catalog(self.root)
-            try:
+            with catalog.opened(self.root) as db:
                 row = db.execute("SELECT s.directory FROM speakers p JOIN stores s ON s.name = p.store "
                                  "WHERE p.name = ?", [speaker]).fetchone()
-            finally:
-                db.conn.close()
+            if row is None or not catalog.inside(row[0]):
+                raise
             return ExactStore(self.root / row[0], self.vocab_size)
 
     def faiss_store(self):
@@ -232,19 +225,15 @@ class Datastore:
                 if self._faiss is None:
                     from .faiss_store import open_faiss_store
                     row = self._stores["faiss"]
-                    self._faiss = open_faiss_store(self.root / row["directory"], json.loads(row["params"] or "{}"))
+                    self._faiss = open_faiss_store(self.root / row["directory"], row["params"])
         return self._faiss
 
     def catalog_speaker(self, speaker: str) -> dict | None:
         return self._speakers.get(speaker)
 
     def verify(self) -> None:
-        """Check every file's size and sha256 against the catalog; raises DatastoreError."""
-        db = catalog.open_catalog(self.root)
-        try:
-            catalog.check_files(db, self.root, verify=True)
-        finally:
-            db.conn.close()
+        """Everything `open_datastore(verify=True)` checks (see catalog.read); raises DatastoreError."""
+        catalog.read(self.root, verify=True)
 
     def info(self) -> dict:
         """Everything the catalog knows, as JSON-ready data (what `echospec info --json` prints)."""
@@ -253,7 +242,7 @@ class Datastore:
                                                                  r["name"])):
             entry = {k: row[k] for k in ("name", "kind", "directory", "speaker", "utterances", "tokens",
                                          "bytes", "created_at")}
-            entry["params"] = json.loads(row["params"] or "{}")
+            entry["params"] = row["params"]
             if row["kind"] == "exact":
                 entry["bytes_per_token"] = round(row["bytes"] / max(row["tokens"], 1), 3)
             else:
