@@ -34,6 +34,7 @@ from .corpus import Utterance, Vocabulary, collect, read_corpus, split_segments
 from .errors import CorpusError, DatastoreError
 from .exact import ExactStore, stream_dtype, write_exact_store
 from .files import fsync_dir, fsync_tree, replace_dir
+from .names import check_name
 
 N_MIN = 1
 """Shortest context suffix an exact store matches: a one-token match still beats proposing nothing
@@ -74,6 +75,8 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
         vocab = Vocabulary(vocab.speech_offset, max(int(s.max()) for segs in segments for s in segs) + 1,
                            vocab.stop_ids)
     speakers = _group_by_speaker(utterances, segments) if per_speaker else {}
+    for name in speakers:
+        check_name("speaker", name)
     _remove_abandoned_builds(target)
     tmp = target.parent / f".{target.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
@@ -119,9 +122,7 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False) -> Datastore:
     old store keeps its memory maps (the old files' inodes) until it reopens. Every utterance of
     `corpus` is filed under `speaker`, whatever its own "speaker" field says."""
     root = Path(store_dir)
-    speaker = str(speaker).strip()
-    if not speaker:
-        raise DatastoreError("speaker name must not be empty")
+    check_name("speaker", speaker)
     with _locked(root):
         ds = open_datastore(root)
         _remove_abandoned_enrollments(ds)

@@ -102,7 +102,7 @@ def test_bad_enrollments(tmp_path, store):
     (tmp_path / "e.jsonl").write_text("")
     with pytest.raises(CorpusError, match="corpus is empty"):
         enroll(store, "ann", tmp_path / "e.jsonl")
-    with pytest.raises(DatastoreError, match="speaker name must not be empty"):
+    with pytest.raises(DatastoreError, match="speaker name ' ' must match"):
         enroll(store, " ", jsonl(tmp_path / "a.jsonl", [[1]]))
     with pytest.raises(DatastoreError, match="no such datastore"):
         enroll(tmp_path / "nowhere", "ann", jsonl(tmp_path / "a.jsonl", [[1]]))

@@ -34,14 +34,13 @@ from importlib import import_module
 
 from .app import API_KEY_ENV, Service, is_loopback, read_api_key, serve
 from .metrics import Metrics
-from .requests import NAME, EnrollRequest, Limits, ProposeRequest, ServiceError, valid_name
+from .requests import EnrollRequest, Limits, ProposeRequest, ServiceError
 from .stores import Snapshot, StoreHandle, parse_store_arg
 
 _FAST_HTTP = ("ServiceHttpProtocol", "OneWriteHttpToolsProtocol", "INLINE_BODY_LIMIT")
 
-__all__ = ["API_KEY_ENV", "NAME", "EnrollRequest", "Limits", "Metrics", "ProposeRequest", "Service",
-           "ServiceError", "Snapshot", "StoreHandle", "is_loopback", "parse_store_arg", "read_api_key", "serve",
-           "valid_name", *_FAST_HTTP]
+__all__ = ["API_KEY_ENV", "EnrollRequest", "Limits", "Metrics", "ProposeRequest", "Service", "ServiceError",
+           "Snapshot", "StoreHandle", "is_loopback", "parse_store_arg", "read_api_key", "serve", *_FAST_HTTP]
 
 
 def __getattr__(name: str):

@@ -28,11 +28,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...datastore import DatastoreError
+from ...datastore.names import check_name as check_store_name
 from ..wire import BINARY, WireError, decode_contexts, encode_trees
 from .metrics import Metrics
-from .requests import (BINARY_TYPE, JSON_TYPE, NAME, EnrollRequest, Limits, ProposeRequest, ServiceError, Utterance,
+from .requests import (BINARY_TYPE, JSON_TYPE, EnrollRequest, Limits, ProposeRequest, ServiceError, Utterance,
                        body_too_large, check_name, int64_ids, internal_error, length_within, media_type,
-                       parse_query, route, valid_name, validation_error)
+                       parse_query, route, validation_error)
 from .stores import Snapshot, StoreHandle, parse_store_arg
 
 log = logging.getLogger("echospec.service")
@@ -47,8 +48,7 @@ class Service:
     def __init__(self, stores: dict[str, str | Path], api_key: str | None = None, limits: Limits = Limits(),
                  retriever_options: dict | None = None, reload_interval: float | None = 1.0):
         for name in stores:
-            if not valid_name(name):
-                raise ValueError(f"store name {name!r} must match {NAME.pattern}")
+            check_store_name("store", name)
         paths = [Path(p).resolve() for p in stores.values()]
         if len(set(paths)) != len(paths):
             raise ValueError("the same datastore directory is served under two names")

@@ -12,10 +12,10 @@ from urllib.parse import parse_qsl
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...datastore import DatastoreError
+from ...datastore.names import check_name as check_datastore_name
 from ..wire import BINARY
 
-NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-"""Store and speaker names: no slash, no leading dot, no `..`, at most 64 characters."""
 BINARY_TYPE = BINARY.encode()
 JSON_TYPE = b"application/json"
 MAX_ID_LENGTH = 256
@@ -51,13 +51,12 @@ def internal_error() -> ServiceError:
     return ServiceError(500, "internal", "internal error (see the service log)")
 
 
-def valid_name(name: str) -> bool:
-    return bool(NAME.fullmatch(name)) and ".." not in name
-
-
 def check_name(kind: str, name: str) -> None:
-    if not valid_name(name):
-        raise ServiceError(422, "invalid_name", f"{kind} name must match {NAME.pattern}")
+    """The datastore's name rule (datastore/names.py), as a client error."""
+    try:
+        check_datastore_name(kind, name)
+    except DatastoreError as e:
+        raise ServiceError(422, "invalid_name", str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ import numpy as np
 
 from ...datastore import DatastoreError, enroll, open_datastore
 from ...datastore.catalog import CATALOG
+from ...datastore.names import check_name
 from ..retriever import Retriever
-from .requests import NAME, ServiceError, valid_name
+from .requests import ServiceError
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,10 @@ def parse_store_arg(arg: str) -> tuple[str, Path]:
     name, sep, path = arg.partition("=")
     if not sep:
         name, path = Path(arg).resolve().name, arg
-    if not valid_name(name):
-        raise ValueError(f"store name {name!r} must match {NAME.pattern} (give NAME=PATH to choose one)")
+    try:
+        check_name("store", name)
+    except DatastoreError as e:
+        raise ValueError(f"{e} (give NAME=PATH to choose one)") from None
     return name, Path(path)
 
 
