@@ -168,7 +168,7 @@ class Service:
         raw = [request.context] if single else request.contexts
         if len(raw) > self.limits.max_batch:
             raise ServiceError(422, "batch_too_large", f"{len(raw)} contexts, the limit is {self.limits.max_batch}")
-        contexts = [int64_ids(c) for c in raw]
+        contexts = [int64_ids(c, f"context {i}") for i, c in enumerate(raw)]
         options = dict(speaker=request.speaker, max_nodes=request.max_nodes, max_depth=request.max_depth)
         return contexts, options, single
 
@@ -291,7 +291,7 @@ class Service:
                                f"{len(utterances)} utterances, the limit is {self.limits.max_utterances}")
         lo, hi = snapshot.speech_offset, snapshot.speech_offset + snapshot.vocab_size
         for i, utt in enumerate(utterances):
-            tokens = np.array(utt.tokens, np.int64)  # strict validation already made these ints
+            tokens = int64_ids(utt.tokens, f"utterances[{i}]")
             outside = (tokens < lo) | (tokens >= hi)
             if outside.any():
                 bad = tokens[outside]

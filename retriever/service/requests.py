@@ -138,12 +138,13 @@ def validation_error(errors: list[dict]) -> ServiceError:
     return ServiceError(422, "invalid_request", "; ".join(parts))
 
 
-def int64_ids(ids: Sequence[int]) -> np.ndarray:
-    """Token ids from a JSON body as int64; ids past 64 bits are a client error."""
+def int64_ids(ids: Sequence[int], where: str) -> np.ndarray:
+    """Token ids from a JSON body (strict validation made them ints) as int64; an id past 64 bits is a
+    client error, `where` says where it was."""
     try:
         return np.array(ids, np.int64) if len(ids) else np.zeros(0, np.int64)
     except OverflowError:
-        raise ServiceError(422, "id_out_of_range", "a context id does not fit in 64 bits") from None
+        raise ServiceError(422, "id_out_of_range", f"{where}: an id does not fit in 64 bits") from None
 
 
 def parse_query(query: bytes) -> dict[str, Any]:
