@@ -6,8 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from echospec.tools.cli import main
-from echospec.tools.demo import SAMPLE_CORPUS, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
-from echospec.tools.tts_prompt import SAMPLE_MODEL_DIR
+from echospec.tools.corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
 
 SYSTEM_FIELDS = {"baseline", "tokens_per_forward", "time_per_token_ms", "speedup", "forward_cost_speedup", "lm_rtf",
                  "new_tokens", "log_likelihood", "mel_distortion", "accepted_lengths"}
