@@ -276,6 +276,32 @@ def test_malformed_request_gets_json_4xx_and_service_keeps_serving(server, what,
     assert got == 200 and "tree" in answer
 
 
+def test_a_body_is_what_its_content_type_says_whatever_its_size(server, store):
+    """One rule on both HTTP paths and at any size (64 kB is where the fast path stops answering binary
+    proposals inline): a body without Content-Type is refused with a 415, as is any other type than the
+    route's; a media type is case-insensitive and may carry parameters."""
+    local, rng = Retriever(store), np.random.default_rng(5)
+    small = [[1, 2, 3]]
+    large = [rng.integers(0, VOCAB, 2000).tolist() for _ in range(10)]  # ~100 kB as JSON, 80 kB binary
+    for contexts in (small, large):
+        expected = {"trees": [local.propose(c).to_dict() for c in contexts]}
+        for body in (json.dumps({"contexts": contexts}).encode(), encode_contexts(contexts)):
+            status, _, answer = request(server.url, "POST", "/v1/stores/voices/propose", body)
+            assert (status, json.loads(answer)["error"]["code"]) == (415, "unsupported_media_type")
+            assert "none was given" in json.loads(answer)["error"]["message"]
+        status, _, answer = request(server.url, "POST", "/v1/stores/voices/propose",
+                                    json.dumps({"contexts": contexts}).encode(),
+                                    {"Content-Type": "Application/JSON; charset=utf-8"})
+        assert status == 200 and json.loads(answer) == expected
+        status, _, answer = request(server.url, "POST", "/v1/stores/voices/propose", encode_contexts(contexts),
+                                    {"Content-Type": "Application/X-Echospec"})
+        assert status == 200 and [t.to_dict() for t in decode_trees(answer)] == expected["trees"]
+    for headers in ({}, {"Content-Type": BINARY}):
+        status, _, answer = request(server.url, "POST", ENROLL, json.dumps(UTTERANCE).encode(),
+                                    {"Authorization": f"Bearer {API_KEY}", **headers})
+        assert (status, json.loads(answer)["error"]["code"]) == (415, "unsupported_media_type")
+
+
 def test_huge_body_is_refused_before_it_is_read(server):
     """A Content-Length over the limit gets its 413 while the client is still sending."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:

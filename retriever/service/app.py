@@ -29,10 +29,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...datastore import DatastoreError
 from ...datastore.names import check_name as check_store_name
-from ..wire import BINARY, WireError, decode_contexts, encode_trees
+from ..wire import WireError, decode_contexts, encode_trees
 from .metrics import Metrics
-from .requests import (BINARY_TYPE, JSON_TYPE, EnrollRequest, Limits, ProposeRequest, ServiceError, Utterance,
-                       body_too_large, check_name, int64_ids, internal_error, length_within, media_type,
+from .requests import (BINARY_TYPE, BODY_TYPES, JSON_TYPE, EnrollRequest, Limits, ProposeRequest, ServiceError,
+                       Utterance, body_too_large, body_type, check_name, int64_ids, internal_error, length_within,
                        parse_query, route, validation_error)
 from .stores import Snapshot, StoreHandle, parse_store_arg
 
@@ -80,9 +80,12 @@ class Service:
         try:
             if scope["method"] not in ("GET", "HEAD") and endpoint not in ("propose", "other"):
                 self._authenticate(scope)
+            posted = scope["method"] == "POST" and endpoint in BODY_TYPES
+            kind = body_type(endpoint, _header(scope, b"content-type")) if posted else None
             body = await _read_body(scope, receive, self.limits.max_body_bytes)
-            if endpoint == "propose" and scope["method"] == "POST":
-                await self._propose(match.group(1), scope, body, send_tracked)
+            if endpoint == "propose" and posted:
+                await _send(send_tracked, 200, self.answer_propose(match.group(1), scope["query_string"], kind, body),
+                            kind)
             else:
                 await self.api(scope, _replay(body, receive), send_tracked)
         except _ClientGone:
@@ -116,32 +119,24 @@ class Service:
 
     # -- propose --
 
-    async def _propose(self, store: str, scope, body: bytes, send) -> None:
-        content_type = media_type(_header(scope, b"content-type"))
-        await _send(send, 200, self.answer_propose(store, scope["query_string"], content_type, body), content_type
-                    if content_type == BINARY_TYPE else JSON_TYPE)
-
-    def answer_propose(self, store: str, query: bytes, content_type: bytes, body: bytes) -> bytes:
-        """The body of a 200 answer to a propose request; raises ServiceError for anything else."""
+    def answer_propose(self, store: str, query: bytes, body_type: bytes, body: bytes) -> bytes:
+        """The body of a 200 answer to a propose request whose body is `body_type` (BINARY_TYPE or
+        JSON_TYPE, and so is the answer); raises ServiceError for anything else."""
         snapshot = self._store(store).snapshot  # read once: an enrollment may swap it meanwhile
-        if content_type == BINARY_TYPE:
+        if body_type == BINARY_TYPE:
             try:
                 contexts = decode_contexts(body, self.limits.max_batch)
             except WireError as e:
                 raise ServiceError(400, "bad_body", str(e)) from None
             options = self._query_options(query)
             single = False
-        elif content_type in (JSON_TYPE, b""):
-            contexts, options, single = self._json_propose(body)
         else:
-            given = content_type.decode(errors="replace")
-            raise ServiceError(415, "unsupported_media_type",
-                               f"propose takes application/json or {BINARY}, not {given!r}")
+            contexts, options, single = self._json_propose(body)
         speaker, max_nodes, max_depth = self._check_options(snapshot, **options)
         trees = self._propose_all(snapshot, contexts, speaker, max_nodes, max_depth)
         self.metrics.contexts[store] += len(trees)
         self.metrics.nodes[store] += sum(len(t) for t in trees)
-        if content_type == BINARY_TYPE:
+        if body_type == BINARY_TYPE:
             return encode_trees(trees)
         payload = {"tree": trees[0].to_dict()} if single else {"trees": [t.to_dict() for t in trees]}
         return json.dumps(payload, separators=(",", ":")).encode()

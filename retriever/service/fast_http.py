@@ -107,7 +107,7 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
                 length = value
             elif name in (b"transfer-encoding", b"upgrade"):
                 return None
-        if (content_type is not None and media_type(content_type) != BINARY_TYPE) or length is None \
+        if media_type(content_type) != BINARY_TYPE or length is None \
                 or not length_within(length, min(INLINE_BODY_LIMIT, self.app.limits.max_body_bytes)):
             return None  # uvicorn's path reads it with flow control, or refuses it (413)
         return match.group(1), url.query or b"", time.perf_counter(), []

@@ -85,9 +85,25 @@ def route(path: str) -> tuple[str, re.Match | None]:
 # Headers: content type and body size
 
 
+BODY_TYPES = {"propose": (JSON_TYPE, BINARY_TYPE), "enroll": (JSON_TYPE,)}
+"""The media types each route with a body takes. A body's type is what its Content-Type says, whatever
+its size and on either HTTP path; a body without one is refused like any other type (415)."""
+
+
 def media_type(content_type: bytes | None) -> bytes:
-    """The media type of a Content-Type header value, without parameters; b"" when there is none."""
-    return (content_type or b"").split(b";")[0].strip()
+    """The media type of a Content-Type header value, lower case, without parameters; b"" for none."""
+    return (content_type or b"").split(b";")[0].strip().lower()
+
+
+def body_type(endpoint: str, content_type: bytes | None) -> bytes:
+    """The media type of a request body on `endpoint` (one of BODY_TYPES[endpoint]), or a 415."""
+    given = media_type(content_type)
+    accepted = BODY_TYPES[endpoint]
+    if given not in accepted:
+        names = " or ".join(t.decode() for t in accepted)
+        got = f"not {given.decode(errors='replace')!r}" if given else "none was given"
+        raise ServiceError(415, "unsupported_media_type", f"{endpoint} takes Content-Type {names}; {got}")
+    return given
 
 
 def length_within(content_length: bytes, limit: int) -> bool:
