@@ -21,6 +21,7 @@ def sample_store(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path):
     out = tmp_path / "bench"
     result = CliRunner().invoke(main, [
@@ -81,6 +82,7 @@ def test_bench_needs_an_echospec_checkpoint(sample_store, tmp_path):
     assert result.exit_code == 1 and "echospec_tts.json" in result.output
 
 
+@pytest.mark.slow
 def test_demo_builds_queries_and_benchmarks(tmp_path):
     out = tmp_path / "demo"
     result = CliRunner().invoke(main, ["demo", "--out", str(out), "--limit", "1"])

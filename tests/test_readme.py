@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from echospec.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +37,7 @@ def test_command_table_names_real_commands_and_library_calls():
         assert callable(getattr(importlib.import_module(module), name)), f"echospec {command}: {call}"
 
 
+@pytest.mark.slow
 def test_readme_examples_run(tmp_path):
     (tmp_path / "tools").symlink_to(ROOT / "tools")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
