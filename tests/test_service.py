@@ -261,6 +261,13 @@ MALFORMED = [  # (what, method, path, body, headers, status, error code)
     ("enroll unknown store", "POST", "/v1/stores/nostore/speakers/x", json.dumps(UTTERANCE).encode(), KEY, 404,
      "unknown_store"),
     ("unknown route", "GET", "/v1/nothing", None, {}, 404, "http_error"),
+    ("enroll trailing slash", "POST", ENROLL + "/", json.dumps(UTTERANCE).encode(), KEY, 404, "http_error"),
+    ("propose trailing slash", "POST", "/v1/stores/voices/propose/", GOOD[0], {}, 404, "http_error"),
+    ("store trailing slash", "GET", "/v1/stores/voices/", None, {}, 404, "http_error"),
+    ("stores trailing slash", "GET", "/v1/stores/", None, {}, 404, "http_error"),
+    ("json propose, options conflict", "POST", "/v1/stores/voices/propose?max_nodes=2",
+     b'{"context": [1], "max_nodes": 3}', {}, 400, "conflicting_options"),
+    ("json propose, unknown query", "POST", "/v1/stores/voices/propose?evil=1", GOOD[0], {}, 422, "invalid_request"),
     ("wrong method", "DELETE", "/v1/stores/voices", None, KEY, 405, "http_error"),
 ]
 
@@ -274,6 +281,18 @@ def test_malformed_request_gets_json_4xx_and_service_keeps_serving(server, what,
     assert error["status"] == status and error["message"]
     got, answer = post_json(server.url, "/v1/stores/voices/propose", {"context": [1, 2, 3]})
     assert got == 200 and "tree" in answer
+
+
+def test_a_json_propose_honours_its_query_string(server, store, corpus):
+    """Options in the query string count for JSON as for binary proposals, beside the body's own."""
+    local = Retriever(store)
+    context, speaker = corpus[0]["tokens"][:30], corpus[0]["speaker"]
+    assert len(local.propose(context, speaker=speaker)) > 3  # so a budget of 2 or 3 shows
+    for query, in_body, expected in ((f"?max_nodes=2&speaker={speaker}", {}, dict(speaker=speaker, max_nodes=2)),
+                                     ("?max_depth=1", {"max_nodes": 3}, dict(max_nodes=3, max_depth=1)),
+                                     ("?max_nodes=3", {"max_nodes": 3}, dict(max_nodes=3))):
+        status, answer = post_json(server.url, f"/v1/stores/voices/propose{query}", {"context": context, **in_body})
+        assert status == 200 and answer == {"tree": local.propose(context, **expected).to_dict()}, query
 
 
 def test_a_body_is_what_its_content_type_says_whatever_its_size(server, store):

@@ -33,7 +33,7 @@ from ..wire import WireError, decode_contexts, encode_trees
 from .metrics import Metrics
 from .requests import (BINARY_TYPE, BODY_TYPES, JSON_TYPE, EnrollRequest, Limits, ProposeRequest, ServiceError,
                        Utterance, body_too_large, body_type, check_name, int64_ids, internal_error, length_within,
-                       parse_query, route, validation_error)
+                       merge_options, parse_query, route, validation_error)
 from .stores import Snapshot, StoreHandle, parse_store_arg
 
 log = logging.getLogger("echospec.service")
@@ -132,6 +132,7 @@ class Service:
             single = False
         else:
             contexts, options, single = self._json_propose(body)
+            options = merge_options(options, self._query_options(query))
         speaker, max_nodes, max_depth = self._check_options(snapshot, **options)
         trees = self._propose_all(snapshot, contexts, speaker, max_nodes, max_depth)
         self.metrics.contexts[store] += len(trees)
@@ -230,7 +231,8 @@ class Service:
             watcher.cancel()
 
     def _build_api(self) -> FastAPI:
-        api = FastAPI(title="echospec datastore service", version="1", lifespan=self._lifespan)
+        api = FastAPI(title="echospec datastore service", version="1", lifespan=self._lifespan,
+                      redirect_slashes=False)  # a URL with a trailing slash is unknown (404), not redirected
         api.add_exception_handler(ServiceError, self._error_response)
         api.add_exception_handler(RequestValidationError, lambda request, e: self._error_response(
             request, validation_error(e.errors())))

@@ -177,3 +177,16 @@ def parse_query(query: bytes) -> dict[str, Any]:
         else:
             raise ServiceError(422, "invalid_request", f"unknown query parameter {key!r}")
     return options
+
+
+def merge_options(body: dict[str, Any], query: dict[str, Any]) -> dict[str, Any]:
+    """A JSON propose's options: its body's, and its query string's where the body gives none; one given
+    in both with different values is a 400."""
+    merged = dict(body)
+    for key, value in query.items():
+        if merged.get(key) is None:
+            merged[key] = value
+        elif merged[key] != value:
+            raise ServiceError(400, "conflicting_options", f"{key} is {merged[key]!r} in the body but {value!r} "
+                                                           "in the query string")
+    return merged
