@@ -261,6 +261,7 @@ MALFORMED = [  # (what, method, path, body, headers, status, error code)
     ("enroll unknown store", "POST", "/v1/stores/nostore/speakers/x", json.dumps(UTTERANCE).encode(), KEY, 404,
      "unknown_store"),
     ("unknown route", "GET", "/v1/nothing", None, {}, 404, "http_error"),
+    *[(f"{path} unless asked", "GET", path, None, {}, 404, "http_error") for path in ("/docs", "/redoc", "/openapi.json")],
     ("enroll trailing slash", "POST", ENROLL + "/", json.dumps(UTTERANCE).encode(), KEY, 404, "http_error"),
     ("propose trailing slash", "POST", "/v1/stores/voices/propose/", GOOD[0], {}, 404, "http_error"),
     ("store trailing slash", "GET", "/v1/stores/voices/", None, {}, 404, "http_error"),
@@ -537,6 +538,15 @@ def test_metrics(server):
     assert 'echospec_errors_total{code="bad_json",endpoint="propose"}' in text
     tokens = [line for line in text.splitlines() if line.startswith('echospec_store_tokens{store="voices"}')]
     assert tokens and float(tokens[0].split()[-1]) > 0
+
+
+def test_the_api_description_is_served_when_asked(built, tmp_path):
+    with Server(copy_store(built[0], tmp_path / "voices"), args=("--docs",)) as server:
+        status, headers, body = request(server.url, "GET", "/openapi.json")
+        assert status == 200 and "/v1/stores/{store}/speakers/{speaker}" in json.loads(body)["paths"]
+        for path in ("/docs", "/redoc"):
+            status, headers, body = request(server.url, "GET", path)
+            assert status == 200 and headers["content-type"].startswith("text/html")
 
 
 def test_enrollment_disabled_without_api_key(built, tmp_path):

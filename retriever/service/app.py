@@ -46,7 +46,7 @@ class Service:
     """The ASGI application. `stores` maps names to datastore directories, opened here (and warmed)."""
 
     def __init__(self, stores: dict[str, str | Path], api_key: str | None = None, limits: Limits = Limits(),
-                 retriever_options: dict | None = None, reload_interval: float | None = 1.0):
+                 retriever_options: dict | None = None, reload_interval: float | None = 1.0, docs: bool = False):
         for name in stores:
             check_store_name("store", name)
         paths = [Path(p).resolve() for p in stores.values()]
@@ -60,7 +60,7 @@ class Service:
                        for name, path in zip(stores, paths, strict=True)}
         for name, handle in self.stores.items():
             self.metrics.set_store(name, handle.snapshot.info)
-        self.api = self._build_api()
+        self.api = self._build_api(docs)
 
     # -- ASGI entry point: limits, authentication, metrics; propose; everything else to FastAPI --
 
@@ -230,9 +230,11 @@ class Service:
         if watcher:
             watcher.cancel()
 
-    def _build_api(self) -> FastAPI:
+    def _build_api(self, docs: bool) -> FastAPI:
+        """`docs`: serve /docs, /redoc and /openapi.json (FastAPI's API description); off unless asked."""
         api = FastAPI(title="echospec datastore service", version="1", lifespan=self._lifespan,
-                      redirect_slashes=False)  # a URL with a trailing slash is unknown (404), not redirected
+                      redirect_slashes=False,  # a URL with a trailing slash is unknown (404), not redirected
+                      **({} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}))
         api.add_exception_handler(ServiceError, self._error_response)
         api.add_exception_handler(RequestValidationError, lambda request, e: self._error_response(
             request, validation_error(e.errors())))
@@ -389,8 +391,9 @@ def http_protocol():
 
 def serve(stores: Sequence[str], host: str = "127.0.0.1", port: int = 8750, api_key_file: str | None = None,
           limits: Limits = Limits(), retriever_options: dict | None = None, reload_interval: float | None = 1.0,
-          log_level: str = "warning") -> None:
-    """Open `stores` (`PATH` or `NAME=PATH`) and serve them until interrupted."""
+          log_level: str = "warning", docs: bool = False) -> None:
+    """Open `stores` (`PATH` or `NAME=PATH`) and serve them until interrupted; `docs` also serves the API's
+    description (/docs, /redoc, /openapi.json)."""
     import uvicorn
 
     named = dict(parse_store_arg(s) for s in stores)
@@ -402,7 +405,7 @@ def serve(stores: Sequence[str], host: str = "127.0.0.1", port: int = 8750, api_
         log.warning("listening on %s: proposals and store listings are readable by anyone who can reach it", host)
     if api_key is None:
         log.warning("no API key (%s or --api-key-file): enrollment is disabled", API_KEY_ENV)
-    service = Service(named, api_key, limits, retriever_options, reload_interval)
+    service = Service(named, api_key, limits, retriever_options, reload_interval, docs)
     uvicorn.run(service, host=host, port=port, log_level=log_level, access_log=False, server_header=False,
                 timeout_keep_alive=75, limit_concurrency=1024, http=http_protocol(),
                 proxy_headers=False)  # no proxy in front: X-Forwarded-* would only cost time

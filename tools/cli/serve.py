@@ -27,10 +27,11 @@ from .errors import fail_cleanly, needs_extra
               help="Seconds between checks for writes made by other processes (0: never check).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--docs", is_flag=True, help="Also serve the API's description: /docs, /redoc, /openapi.json.")
 @needs_extra("service")
 @fail_cleanly
 def serve(stores, host, port, api_key_file, max_body_mb, max_batch, max_nodes, max_depth, reload_interval,
-          log_level) -> None:
+          log_level, docs) -> None:
     """Serve datastores over HTTP: propose, list stores and speakers, enroll, /healthz, /metrics.
 
     Each STORE is a datastore directory, served under its directory name, or NAME=DIR.
@@ -41,7 +42,7 @@ def serve(stores, host, port, api_key_file, max_body_mb, max_batch, max_nodes, m
     limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_batch=max_batch)
     run(stores, host=host, port=port, api_key_file=api_key_file, limits=limits,
         retriever_options={"max_nodes": max_nodes, "max_depth": max_depth}, reload_interval=reload_interval or None,
-        log_level=log_level)
+        log_level=log_level, docs=docs)
 
 
 COMMANDS = (serve,)
