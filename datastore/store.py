@@ -127,7 +127,7 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False) -> Datastore:
         ds = open_datastore(root)
         _remove_abandoned_enrollments(ds)
         vocab = Vocabulary(ds.speech_offset, ds.vocab_size, ds.stop_ids)
-        new = list(read_corpus(corpus, vocab))
+        new = collect(read_corpus(corpus, vocab), per_speaker=False)
         segments = [s for u in new for s in split_segments(u.tokens)]
         if not segments:
             raise CorpusError(f"{_corpus_name(corpus)}: corpus is empty (no speech tokens)")
@@ -226,7 +226,7 @@ class Datastore:
                 if self._faiss is None:
                     from .faiss_store import open_faiss_store
                     row = self._stores["faiss"]
-                    self._faiss = open_faiss_store(self.root / row["directory"], row["params"])
+                    self._faiss = open_faiss_store(self.root / row["directory"], row["params"], self.vocab_size)
         return self._faiss
 
     def catalog_speaker(self, speaker: str) -> dict | None:
