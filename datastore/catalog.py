@@ -23,6 +23,7 @@ from pathlib import Path, PurePosixPath
 import sqlite_utils
 
 from .errors import DatastoreError
+from .files import recover_dir
 
 FORMAT_VERSION = 1
 CATALOG = "catalog.sqlite"
@@ -91,6 +92,8 @@ class Contents:
 def open_catalog(root: Path) -> sqlite_utils.Database:
     """The catalog of `root`, checked for its tables and format version."""
     path = root / CATALOG
+    if not root.is_dir():
+        recover_dir(root)  # a replace killed between its renames, where the exchange is not available
     if not root.is_dir():
         raise DatastoreError(f"{root}: no such datastore directory")
     if not path.is_file():

@@ -7,8 +7,9 @@ Layout
   STORE/speakers/<slug>-<gen>/{tokens,sa,first}.npy   one directory per speaker, replaced whole on enroll
   STORE/faiss/{index.faiss,embeddings.npy}            optional (see faiss_store.py)
 
-Every write goes to a temporary directory, is fsynced and renamed into place, so an interrupted build
-or enrollment leaves either the old datastore or nothing that looks like one.
+Every write goes to a temporary directory, is fsynced and renamed into place (a rebuild exchanges it with
+the old datastore in one system call: files.replace_dir), so a build or enrollment killed at any instant
+leaves the old datastore or the new one; the next build or enrollment removes what it left behind.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from . import catalog
 from .corpus import Utterance, Vocabulary, collect, read_corpus, split_segments
 from .errors import CorpusError, DatastoreError
 from .exact import ExactStore, stream_dtype, write_exact_store
-from .files import fsync_dir, fsync_tree, replace_dir
+from .files import crash_point, fsync_dir, fsync_tree, process_alive, recover_dir, replace_dir
 from .names import check_name
 
 N_MIN = 1
@@ -58,6 +59,7 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
     """
     _check_build_options(vocab_size, speech_offset, n_min, n_max)
     target = Path(store_dir)
+    recover_dir(target)  # a replace killed between its renames (where the exchange is not available)
     _check_target(target, force)
     if faiss and embeddings is not None and not Path(embeddings).is_file():
         raise DatastoreError(f"{embeddings}: embedding file not found")
@@ -143,6 +145,7 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False) -> Datastore:
             fsync_tree(tmp)
             final.parent.mkdir(exist_ok=True)
             os.rename(tmp, final)
+            crash_point("enroll:renamed")
             fsync_dir(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -155,6 +158,7 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False) -> Datastore:
                 u.speaker = speaker
             _insert_utterances(db, new)
             catalog.set_meta(db, {"updated_at": catalog.now()})
+        crash_point("enroll:committed")
         if old_dir is not None:
             shutil.rmtree(old_dir, ignore_errors=True)
     return open_datastore(root)
@@ -309,18 +313,8 @@ def _remove_abandoned_builds(target: Path) -> None:
     """Delete temporary directories of earlier builds of `target` whose process is gone (killed)."""
     for tmp in target.parent.glob(f".{target.name}.building-*"):
         pid = tmp.name.rsplit("-", 2)[-2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _counted(items, bar):
