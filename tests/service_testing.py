@@ -54,21 +54,28 @@ def copy_store(store: Path, target: Path) -> Path:
     return target
 
 
-PRETEND_UVICORN = ("import sys, uvicorn; uvicorn.__version__ = sys.argv.pop(1); "
-                   "from echospec.tools.cli import main; main(prog_name='echospec')")
-"""`echospec serve` under a uvicorn that says it is another version (argv[1]): the real check in
-fast_http.py then refuses the fast path and the service runs on uvicorn's own protocol."""
+SERVE = """\
+import json, sys
+options = json.loads(sys.argv[1])
+if "uvicorn_version" in options:  # make the service believe the installed uvicorn is that version
+    import uvicorn
+    uvicorn.__version__ = options.pop("uvicorn_version")
+from echospec.retriever.service import Limits, serve
+serve(sys.argv[3:], port=int(sys.argv[2]), limits=Limits(**options.pop("limits", {})), **options)
+"""
+"""`serve(STORE..., port=N, **options)` in a fresh interpreter: the library call `echospec serve` makes, for
+what the command line does not offer. `uvicorn_version` makes the real check in fast_http.py refuse the
+fast path (it was written for another version), and the service runs on uvicorn's own protocol."""
 
 
 class Server:
-    """`echospec serve STORE --port N` as a subprocess; `url` once `/healthz` answers.
-
-    `uvicorn_version`: make the service believe the installed uvicorn is that version (see PRETEND_UVICORN)."""
+    """`echospec serve STORE --port N ARGS` as a subprocess, or with `options` the library's `serve(...)`
+    (see SERVE); `url` once `/healthz` answers."""
 
     def __init__(self, *stores: Path | str, port: int | None = None, api_key: str | None = API_KEY,
-                 args: tuple[str, ...] = (), uvicorn_version: str | None = None):
+                 args: tuple[str, ...] = (), options: dict | None = None):
         self.stores, self.port, self.api_key, self.args = [str(s) for s in stores], port or free_port(), api_key, args
-        self.uvicorn_version = uvicorn_version
+        self.options = options
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.log = tempfile.TemporaryFile()  # the service's stdout and stderr, every start
@@ -83,9 +90,10 @@ class Server:
         env.pop("ECHOSPEC_API_KEY", None)
         if self.api_key:
             env["ECHOSPEC_API_KEY"] = self.api_key
-        program = [ECHOSPEC] if self.uvicorn_version is None else [sys.executable, "-c", PRETEND_UVICORN,
-                                                                   self.uvicorn_version]
-        command = [*program, "serve", *self.stores, "--port", str(self.port), *self.args]
+        if self.options is None:
+            command = [ECHOSPEC, "serve", *self.stores, "--port", str(self.port), *self.args]
+        else:
+            command = [sys.executable, "-c", SERVE, json.dumps(self.options), str(self.port), *self.stores]
         self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -26,7 +26,7 @@ def built(tmp_path_factory):
 MODES = ("fast", "stock")
 """Each server-backed test runs against the service on its fast HTTP path (fast_http.py) and on uvicorn's
 own protocol, which `serve` falls back to under a uvicorn the fast path was not written for (made so
-here by PRETEND_UVICORN: the real version check fails)."""
+here by service_testing.SERVE's uvicorn_version: the real version check fails)."""
 
 
 @pytest.fixture(scope="module", params=MODES)
@@ -47,7 +47,7 @@ def corpus(built):
 
 @pytest.fixture(scope="module")
 def server(store, mode):
-    with Server(store, uvicorn_version=None if mode == "fast" else "0.0.1") as server:
+    with Server(store, options=None if mode == "fast" else {"uvicorn_version": "0.0.1"}) as server:
         yield server
 
 
@@ -261,7 +261,8 @@ MALFORMED = [  # (what, method, path, body, headers, status, error code)
     ("enroll unknown store", "POST", "/v1/stores/nostore/speakers/x", json.dumps(UTTERANCE).encode(), KEY, 404,
      "unknown_store"),
     ("unknown route", "GET", "/v1/nothing", None, {}, 404, "http_error"),
-    *[(f"{path} unless asked", "GET", path, None, {}, 404, "http_error") for path in ("/docs", "/redoc", "/openapi.json")],
+    *[(f"{path} unless asked", "GET", path, None, {}, 404, "http_error")
+      for path in ("/docs", "/redoc", "/openapi.json")],
     ("enroll trailing slash", "POST", ENROLL + "/", json.dumps(UTTERANCE).encode(), KEY, 404, "http_error"),
     ("propose trailing slash", "POST", "/v1/stores/voices/propose/", GOOD[0], {}, 404, "http_error"),
     ("store trailing slash", "GET", "/v1/stores/voices/", None, {}, 404, "http_error"),

@@ -1,5 +1,5 @@
-"""The service's room: the web framework stays inside retriever/service/, and uvicorn's private
-classes inside fast_http.py, the one module written for a given uvicorn version."""
+"""The service's room: the web framework stays inside retriever/service/, and uvicorn's protocol
+classes (private) inside fast_http.py, the one module written for a given uvicorn version."""
 
 import ast
 from pathlib import Path
@@ -26,7 +26,7 @@ def test_only_the_service_imports_a_web_framework():
     assert not {k: v for k, v in wrong.items() if v}
 
 
-def test_only_fast_http_imports_uvicorns_internals():
+def test_only_fast_http_imports_uvicorns_protocol_classes():
     service = sorted((ROOT / "retriever" / "service").glob("*.py"))
-    users = {p.name for p in service if any(m.startswith("uvicorn.") for m in imported_modules(p))}
+    users = {p.name for p in service if any(m.startswith("uvicorn.protocols") for m in imported_modules(p))}
     assert users == {"fast_http.py"}

@@ -35,6 +35,7 @@ from .requests import (BINARY_TYPE, BODY_TYPES, JSON_TYPE, EnrollRequest, Limits
                        Utterance, body_too_large, body_type, check_name, int64_ids, internal_error, length_within,
                        merge_options, parse_query, route, validation_error)
 from .stores import Snapshot, StoreHandle, parse_store_arg
+from .timeouts import StockHttpProtocol, stock_protocol_class
 
 log = logging.getLogger("echospec.service")
 
@@ -380,13 +381,19 @@ def is_loopback(host: str) -> bool:
 
 def http_protocol():
     """fast_http's ServiceHttpProtocol when the installed uvicorn is the one it was written for, else
-    uvicorn's own protocol: slower, the same answers."""
+    uvicorn's own protocol (with the read deadline): slower, the same answers."""
     try:
         from .fast_http import ServiceHttpProtocol
     except ImportError as e:
         log.warning("%s: serving with uvicorn's own HTTP protocol (slower, the same answers)", e)
+    else:
+        return ServiceHttpProtocol
+    try:
+        stock_protocol_class()
+    except (ImportError, AttributeError, KeyError) as e:  # a uvicorn that moved its protocol table
+        log.warning("uvicorn's protocol table not found (%s): slow clients are not timed out", e)
         return "auto"
-    return ServiceHttpProtocol
+    return StockHttpProtocol
 
 
 def serve(stores: Sequence[str], host: str = "127.0.0.1", port: int = 8750, api_key_file: str | None = None,

@@ -13,6 +13,7 @@ import httptools
 import uvicorn
 
 from .requests import BINARY_TYPE, length_within, media_type, route
+from .timeouts import ReadDeadline
 
 WRITTEN_FOR = "0.54"
 """The uvicorn minor version whose httptools protocol internals (callbacks, cycle, flow control,
@@ -52,9 +53,24 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
     Content-Length of at most INLINE_BODY_LIMIT, no Expect or Transfer-Encoding header, nothing else
     in flight on the connection, the client reading its answers) is answered by
     `Service.answer_binary_propose` when its body is in, head and body in one write. Everything else,
-    JSON proposals included, takes uvicorn's path."""
+    JSON proposals included, takes uvicorn's path. Either way a request must arrive within the
+    service's read timeout (`ReadDeadline`)."""
 
     _inline: tuple[str, bytes, float, list[bytes]] | None = None  # (store, query, started, body parts)
+    deadline: ReadDeadline | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.deadline = ReadDeadline(transport, self.loop, self.app.limits.read_timeout)
+
+    def connection_lost(self, exc) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        self.deadline.begin()
+        super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         self._inline = self._inline_propose()
@@ -67,6 +83,7 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
         self._inline[3].append(body)
 
     def on_message_complete(self) -> None:
+        self.deadline.end()
         if self._inline is None:
             return super().on_message_complete()
         (store, query, started, parts), self._inline = self._inline, None

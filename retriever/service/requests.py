@@ -23,7 +23,9 @@ MAX_ID_LENGTH = 256
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for; anything past a limit is a 413 or a 422, never a slow answer."""
+    """What one request may ask for, and how long it may take to arrive; anything past a limit is a
+    413 or a 422, never a slow answer, and a request not in whole within `read_timeout` seconds of its
+    first byte (or of connecting) has its connection closed (timeouts.py)."""
 
     max_body_bytes: int = 8 << 20
     max_batch: int = 256  # contexts per propose request
@@ -31,6 +33,7 @@ class Limits:
     max_nodes: int = 1024  # node budget per tree
     max_depth: int = 64
     max_utterances: int = 10_000  # per enrollment
+    read_timeout: float = 30.0  # seconds
 
 
 class ServiceError(Exception):
