@@ -57,6 +57,7 @@ class Service:
         self.api_key = api_key.encode() if api_key else None
         self.metrics = Metrics()
         self._parsed_queries: dict[bytes, dict] = {}
+        self._damaged: set[str] = set()  # damaged-store messages already logged
         self.stores = {name: StoreHandle(name, path, dict(retriever_options or {}))
                        for name, path in zip(stores, paths, strict=True)}
         for name, handle in self.stores.items():
@@ -201,6 +202,11 @@ class Service:
                                                         max_depth=max_depth))
             except ValueError as e:
                 raise ServiceError(422, "id_out_of_range", f"context {i}: {e}") from None
+            except DatastoreError as e:  # DamagedStoreError: this store's files are corrupt; the others answer
+                if str(e) not in self._damaged:
+                    self._damaged.add(str(e))
+                    log.error("%s", e)
+                raise ServiceError(503, "store_damaged", str(e)) from None
         return trees
 
     def _store(self, name: str) -> StoreHandle:
