@@ -17,6 +17,7 @@ Formats
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CorpusError
+from .errors import CorpusError, one_line
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +37,7 @@ class Utterance:
     tokens: np.ndarray  # int64, store-local ids, stop ids removed (segments split by -1 if any)
     where: str  # "file:line" for messages
     extra: dict = field(default_factory=dict)
+    id_given: bool = True  # False: the id is the default "<file stem>:<line>", not from the corpus
 
 
 @dataclass(frozen=True)
@@ -117,22 +121,32 @@ def _parse_line(line: bytes, where: str) -> tuple[dict, np.ndarray | None]:
 
 
 def _load_npy(path: Path, where: str) -> np.ndarray:
-    try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise CorpusError(f"{where}: cannot read {path}: {e}") from None
+    try:  # numpy answers a damaged file with many exception types, some messages over several lines
+        arr = np.load(path, allow_pickle=False)
+    except Exception as e:
+        raise CorpusError(f"{where}: cannot read {path}: {one_line(e)}") from None
+    if not isinstance(arr, np.ndarray):
+        arr.close()
+        raise CorpusError(f"{where}: cannot read {path}: not a .npy file")
+    return arr
 
 
 def _read_npz(path: Path, vocab: Vocabulary) -> Iterator[Utterance]:
-    try:
+    try:  # a fake or damaged archive fails in zipfile, zlib or numpy, each with its own exception types
         data = np.load(path, allow_pickle=False)
-        tokens, lengths = data["tokens"], data["lengths"]
-        ids = data["ids"] if "ids" in data.files else None
-        speakers = data["speakers"] if "speakers" in data.files else None
-    except KeyError as e:
-        raise CorpusError(f"{path}: .npz needs arrays 'tokens' and 'lengths' (missing {e})") from None
-    except (OSError, ValueError) as e:
-        raise CorpusError(f"{path}: cannot read .npz: {e}") from None
+        if not hasattr(data, "files"):
+            raise ValueError("a .npy file, not a .npz archive")
+        with data:
+            missing = next((name for name in ("tokens", "lengths") if name not in data.files), None)
+            if missing is not None:
+                raise CorpusError(f"{path}: .npz needs arrays 'tokens' and 'lengths' (missing '{missing}')")
+            tokens, lengths = data["tokens"], data["lengths"]
+            ids = data["ids"] if "ids" in data.files else None
+            speakers = data["speakers"] if "speakers" in data.files else None
+    except CorpusError:
+        raise
+    except Exception as e:
+        raise CorpusError(f"{path}: cannot read .npz: {one_line(e)}") from None
     if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or np.any(lengths < 0):
         raise CorpusError(f"{path}: 'lengths' must be a 1-D array of non-negative integers")
     if int(lengths.sum()) != len(tokens):
@@ -155,7 +169,8 @@ def _utterance(uid, speaker, raw, where: str, vocab: Vocabulary, extra: dict | N
         raise CorpusError(f"{where}: 'id' must be a string")
     tokens = to_local_ids(raw, where, vocab)
     speaker = None if speaker in (None, "") else str(speaker)
-    return Utterance(str(uid) if uid is not None else default_id, speaker, tokens, where, extra or {})
+    return Utterance(str(uid) if uid is not None else default_id, speaker, tokens, where, extra or {},
+                     id_given=uid is not None)
 
 
 def to_local_ids(raw, where: str, vocab: Vocabulary) -> np.ndarray:
@@ -215,11 +230,25 @@ def split_segments(tokens: np.ndarray) -> list[np.ndarray]:
 
 
 def collect(utterances: Iterable[Utterance], per_speaker: bool) -> list[Utterance]:
-    """Materialise a corpus, checking what a build needs of it as a whole."""
+    """Materialise a corpus (a build's, or an enrollment's), checking it as a whole: a repeated id is
+    refused, naming both places (the same utterance twice would double its counts); an utterance with no
+    speech tokens (`"tokens": []`, or only stop ids) is skipped with one warning for all of them."""
     out = []
+    seen: dict[str, str] = {}
+    empty = []
     for utt in utterances:
         if per_speaker and utt.speaker is None:
             raise CorpusError(f"{utt.where}: utterance {utt.id!r} has no 'speaker', "
                               "but per-speaker stores were asked for (use --no-per-speaker or add speakers)")
+        if utt.id_given:
+            if utt.id in seen:
+                raise CorpusError(f"{utt.where}: utterance id {utt.id!r} is already used at {seen[utt.id]}")
+            seen[utt.id] = utt.where
+        if not (utt.tokens >= 0).any():
+            empty.append(utt.where)
+            continue
         out.append(utt)
+    if empty:
+        others = f" (and {len(empty) - 1} more utterances like it)" if len(empty) > 1 else ""
+        log.warning("%s: utterance has no speech tokens; skipped%s", empty[0], others)
     return out

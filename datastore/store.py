@@ -7,13 +7,13 @@ Layout
   STORE/speakers/<slug>-<gen>/{tokens,sa,first}.npy   one directory per speaker, replaced whole on enroll
   STORE/faiss/{index.faiss,embeddings.npy}            optional (see faiss_store.py)
 
-Every write goes to a temporary directory, is fsynced and renamed into place, so an interrupted build
-or enrollment leaves either the old datastore or nothing that looks like one.
+Every write goes to a temporary directory, is fsynced and renamed into place (a rebuild exchanges it with
+the old datastore in one system call: files.replace_dir), so a build or enrollment killed at any instant
+leaves the old datastore or the new one; the next build or enrollment removes what it left behind.
 """
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import json
@@ -34,6 +34,8 @@ from . import catalog
 from .corpus import Utterance, Vocabulary, collect, read_corpus, split_segments
 from .errors import CorpusError, DatastoreError
 from .exact import ExactStore, stream_dtype, write_exact_store
+from .files import crash_point, fsync_dir, fsync_tree, process_alive, recover_dir, replace_dir
+from .names import check_name
 
 N_MIN = 1
 """Shortest context suffix an exact store matches: a one-token match still beats proposing nothing
@@ -60,6 +62,7 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
     """
     _check_build_options(vocab_size, speech_offset, n_min, n_max, codebooks)
     target = Path(store_dir)
+    recover_dir(target)  # a replace killed between its renames (where the exchange is not available)
     _check_target(target, force)
     if faiss and embeddings is not None and not Path(embeddings).is_file():
         raise DatastoreError(f"{embeddings}: embedding file not found")
@@ -80,6 +83,8 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
     split = [_split_layout_breaks(segs, vocab.size, codebooks) for segs in segments]
     segments, layout_breaks = [segs for segs, _ in split], sum(n for _, n in split)
     speakers = _group_by_speaker(utterances, segments) if per_speaker else {}
+    for name in speakers:
+        check_name("speaker", name)
     _remove_abandoned_builds(target)
     tmp = target.parent / f".{target.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
@@ -110,9 +115,9 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
         catalog.set_meta(db, {"build_seconds": round(time.perf_counter() - started, 3),
                               "layout_breaks": layout_breaks})
         catalog.finish(db, tmp)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         steps.close()
-        _replace_dir(tmp, target)
+        replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -126,14 +131,12 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False) -> Datastore:
     old store keeps its memory maps (the old files' inodes) until it reopens. Every utterance of
     `corpus` is filed under `speaker`, whatever its own "speaker" field says."""
     root = Path(store_dir)
-    speaker = str(speaker).strip()
-    if not speaker:
-        raise DatastoreError("speaker name must not be empty")
+    check_name("speaker", speaker)
     with _locked(root):
         ds = open_datastore(root)
         _remove_abandoned_enrollments(ds)
         vocab = Vocabulary(ds.speech_offset, ds.vocab_size, ds.stop_ids, ds.drop_ids)
-        new = list(read_corpus(corpus, vocab))
+        new = collect(read_corpus(corpus, vocab), per_speaker=False)
         segments = [s for u in new for s in split_segments(u.tokens)]
         if not segments:
             raise CorpusError(f"{_corpus_name(corpus)}: corpus is empty (no speech tokens)")
@@ -147,15 +150,15 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False) -> Datastore:
         tmp = root / f".enroll-{uuid.uuid4().hex[:8]}"
         try:
             counts = write_exact_store(tmp, segments, ds.vocab_size, ds.sort_depth)
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             final.parent.mkdir(exist_ok=True)
             os.rename(tmp, final)
-            _fsync_dir(final.parent)
+            crash_point("enroll:renamed")
+            fsync_dir(final.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        db = catalog.open_catalog(root)
-        with db.atomic():  # one transaction: the catalog points at the old store or the new one
+        with catalog.opened(root) as db, db.atomic():  # one transaction: the old store or the new one
             _record_store(db, root, f"speaker:{speaker}", final, speaker, n_utts, counts)
             if replace:
                 db["utterances"].delete_where("speaker = ?", [speaker])
@@ -163,15 +166,16 @@ def enroll(store_dir, speaker: str, corpus, replace: bool = False) -> Datastore:
                 u.speaker = speaker
             _insert_utterances(db, new)
             catalog.set_meta(db, {"updated_at": catalog.now()})
-        db.conn.close()
+        crash_point("enroll:committed")
         if old_dir is not None:
             shutil.rmtree(old_dir, ignore_errors=True)
     return open_datastore(root)
 
 
 def open_datastore(store_dir, verify: bool = False) -> Datastore:
-    """Open a datastore: read the catalog, check the format version and every file's size (and
-    sha256 with `verify`), and memory-map the general store. Speaker stores map on first use."""
+    """Open a datastore: read and check the catalog (format version, the rows a reader follows) and
+    every file's size, and memory-map the general store; speaker stores map on first use. `verify`
+    adds SQLite's integrity check, every file's sha256 and the catalog's own consistency (catalog.read)."""
     return Datastore(Path(store_dir), verify)
 
 
@@ -180,14 +184,9 @@ class Datastore:
 
     def __init__(self, root: Path, verify: bool = False):
         self.root = root
-        db = catalog.open_catalog(root)
-        try:
-            self._files = catalog.check_files(db, root, verify)
-            self.meta = catalog.read_meta(db)
-            self._stores = {row["name"]: row for row in db["stores"].rows}
-            self._speakers = {row["name"]: row for row in db["speakers"].rows}
-        finally:
-            db.conn.close()
+        contents = catalog.read(root, verify)
+        self.meta, self._stores, self._speakers, self._files = (contents.meta, contents.stores, contents.speakers,
+                                                                contents.files)
         self.vocab_size = int(self.meta["vocab_size"])
         self.speech_offset = int(self.meta["speech_offset"])
         self.stop_ids = tuple(self.meta["stop_ids"])
@@ -227,12 +226,11 @@ class Datastore:
         try:
             return ExactStore(self._speaker_dirs[speaker], self.vocab_size)
         except DatastoreError:
-            db = catalog.open_catalog(self.root)
-            try:
+            with catalog.opened(self.root) as db:
                 row = db.execute("SELECT s.directory FROM speakers p JOIN stores s ON s.name = p.store "
                                  "WHERE p.name = ?", [speaker]).fetchone()
-            finally:
-                db.conn.close()
+            if row is None or not catalog.inside(row[0]):
+                raise
             return ExactStore(self.root / row[0], self.vocab_size)
 
     def faiss_store(self):
@@ -242,19 +240,15 @@ class Datastore:
                 if self._faiss is None:
                     from .faiss_store import open_faiss_store
                     row = self._stores["faiss"]
-                    self._faiss = open_faiss_store(self.root / row["directory"], json.loads(row["params"] or "{}"))
+                    self._faiss = open_faiss_store(self.root / row["directory"], row["params"], self.vocab_size)
         return self._faiss
 
     def catalog_speaker(self, speaker: str) -> dict | None:
         return self._speakers.get(speaker)
 
     def verify(self) -> None:
-        """Check every file's size and sha256 against the catalog; raises DatastoreError."""
-        db = catalog.open_catalog(self.root)
-        try:
-            catalog.check_files(db, self.root, verify=True)
-        finally:
-            db.conn.close()
+        """Everything `open_datastore(verify=True)` checks (see catalog.read); raises DatastoreError."""
+        catalog.read(self.root, verify=True)
 
     def info(self) -> dict:
         """Everything the catalog knows, as JSON-ready data (what `echospec info --json` prints)."""
@@ -263,7 +257,7 @@ class Datastore:
                                                                  r["name"])):
             entry = {k: row[k] for k in ("name", "kind", "directory", "speaker", "utterances", "tokens",
                                          "bytes", "created_at")}
-            entry["params"] = json.loads(row["params"] or "{}")
+            entry["params"] = row["params"]
             if row["kind"] == "exact":
                 entry["bytes_per_token"] = round(row["bytes"] / max(row["tokens"], 1), 3)
             else:
@@ -332,18 +326,8 @@ def _remove_abandoned_builds(target: Path) -> None:
     """Delete temporary directories of earlier builds of `target` whose process is gone (killed)."""
     for tmp in target.parent.glob(f".{target.name}.building-*"):
         pid = tmp.name.rsplit("-", 2)[-2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _counted(items, bar):
@@ -415,53 +399,6 @@ def _insert_utterances(db, utterances: list[Utterance]) -> None:
             "INSERT INTO utterances (id, speaker, tokens, source, extra) VALUES (?, ?, ?, ?, ?)",
             ((u.id, u.speaker, int((u.tokens >= 0).sum()), u.where, json.dumps(u.extra) if u.extra else None)
              for u in utterances))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Make everything under `root` durable before it is renamed into place."""
-    if _syncfs(root):
-        return
-    for path in sorted(root.rglob("*"), reverse=True):
-        if path.is_file():
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())
-        else:
-            _fsync_dir(path)
-    _fsync_dir(root)
-
-
-def _syncfs(path: Path) -> bool:
-    """Linux syncfs(2): one call instead of one fsync per file (a store has 3 files per speaker;
-    at ~4 ms an fsync, per-file syncing cost more than sorting a 1M-token corpus)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(path, os.O_RDONLY)
-    except (OSError, AttributeError):
-        return False
-    try:
-        return getattr(libc, "syncfs", None) is not None and libc.syncfs(fd) == 0
-    finally:
-        os.close(fd)
-
-
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Rename `tmp` to `target`; an existing target (checked by _check_target) is swapped out first."""
-    old = None
-    if target.exists():
-        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(target, old)
-    os.rename(tmp, target)
-    _fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager

@@ -6,8 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from echospec.tools.cli import main
-from echospec.tools.demo import SAMPLE_CORPUS, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
-from echospec.tools.tts_prompt import SAMPLE_MODEL_DIR
+from echospec.tools.corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
 
 SYSTEM_FIELDS = {"baseline", "tokens_per_forward", "time_per_token_ms", "speedup", "forward_cost_speedup", "lm_rtf",
                  "new_tokens", "log_likelihood", "mel_distortion", "accepted_lengths"}
@@ -22,6 +21,7 @@ def sample_store(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path):
     out = tmp_path / "bench"
     result = CliRunner().invoke(main, [
@@ -82,6 +82,7 @@ def test_bench_needs_an_echospec_checkpoint(sample_store, tmp_path):
     assert result.exit_code == 1 and "echospec_tts.json" in result.output
 
 
+@pytest.mark.slow
 def test_demo_builds_queries_and_benchmarks(tmp_path):
     out = tmp_path / "demo"
     result = CliRunner().invoke(main, ["demo", "--out", str(out), "--limit", "1"])

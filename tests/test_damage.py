@@ -3,6 +3,7 @@ first-token entry before it indexes anything, `Retriever.propose` raises Damaged
 store, and the other stores of the datastore keep answering."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -126,3 +127,63 @@ def test_wrong_array_types_are_refused_at_open(store, name, dtype):
     np.save(path, arr.astype(dtype))  # the size check may or may not notice; the type check must
     with pytest.raises(DatastoreError):
         Retriever(root, use_faiss=False)
+
+
+# --- damaged files: one DatastoreError line, wherever numpy, zipfile or FAISS fail -----------------------
+
+
+@pytest.fixture
+def faiss_store(tmp_path):
+    corpus, utterances = make_corpus(tmp_path / "c.jsonl")
+    build(corpus, tmp_path / "store", progress=False)
+    return tmp_path / "store", utterances
+
+
+def flip(path, offset, mask=0x5A):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["general/tokens.npy", "general/sa.npy", "general/first.npy",
+                                  "faiss/embeddings.npy"])
+@pytest.mark.parametrize("offset", [8, 12, 45])  # header length (numpy's tokenizer fails), a key, a value
+def test_damaged_npy_header_is_one_datastore_error(faiss_store, name, offset):
+    root, _ = faiss_store
+    flip(root / name, offset)
+    with pytest.raises(DamagedStoreError, match=rf"{name}: unreadable array, damaged or not a .npy file \([^\n]+\)$"):
+        Retriever(root)
+
+
+def test_faiss_table_that_does_not_fit_is_refused(faiss_store):
+    root, _ = faiss_store
+    table = np.load(root / "faiss" / "embeddings.npy")
+    np.save(root / "faiss" / "embeddings.npy", table[:10])  # fewer rows than the vocabulary: reads past its end
+    with pytest.raises(DatastoreError):  # the size check, or the shape check if the size happened to match
+        Retriever(root)
+    from echospec.datastore.faiss_store import FaissStore
+    with pytest.raises(DamagedStoreError, match="does not fit its index or the vocabulary"):
+        FaissStore(root / "faiss", {}, vocab_size=64)
+
+
+def write_safetensors_header(path, header: bytes, declared=None, data=b""):
+    path.write_bytes(int(len(header) if declared is None else declared).to_bytes(8, "little") + header + data)
+    return path
+
+
+@pytest.mark.parametrize("header, declared, data, message", [
+    (b"{}", 10**12, b"", "the header declares 1000000000000 bytes, the file holds 10"),
+    (json.dumps({"w": {"dtype": "F32", "shape": [10**6, 10**6], "data_offsets": [0, 4 * 10**12]}}).encode(),
+     None, b"\0" * 64, "data_offsets [0, 4000000000000] lie outside the file's 64 data bytes"),
+    (json.dumps({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 32]}}).encode(),
+     None, b"\0" * 64, "shape [4, 4] does not fill its data_offsets [0, 32]"),
+    (json.dumps({"w": {"dtype": "F32", "shape": "big", "data_offsets": [0, 4]}}).encode(),
+     None, b"\0" * 4, "lacks an integer shape"),
+    (b"[1, 2]", None, b"", "the header is not a JSON object"),
+    (b"", 0, b"", "not a readable .safetensors file"),
+])
+def test_damaged_safetensors_reads_no_more_than_the_file_holds(tmp_path, header, declared, data, message):
+    from echospec.datastore.faiss_store import load_embeddings
+    path = write_safetensors_header(tmp_path / "emb.safetensors", header, declared, data)
+    with pytest.raises(DatastoreError, match=re.escape(message)):
+        load_embeddings(path, 64)

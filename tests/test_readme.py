@@ -4,14 +4,20 @@ Each block is self-contained; they run in order in one scratch directory (where 
 repository's), so a block may use files an earlier one wrote; shell blocks use this interpreter's `echospec`.
 """
 
+import importlib
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from echospec.tools.cli import main
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"<!-- example -->\s*\n```(python|bash)\n(.*?)```", re.S)
+COMMAND_ROW = re.compile(r"^\| `echospec ([a-z-]+)[^`]*` \| `(echospec\.[\w.]+)\(", re.M)
 
 
 def examples():
@@ -23,6 +29,15 @@ def test_readme_has_examples_of_each_kind():
     assert kinds == {"python", "bash"}
 
 
+def test_command_table_names_real_commands_and_library_calls():
+    rows = COMMAND_ROW.findall((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert {command for command, _ in rows} == set(main.commands)
+    for command, call in rows:
+        module, _, name = call.rpartition(".")
+        assert callable(getattr(importlib.import_module(module), name)), f"echospec {command}: {call}"
+
+
+@pytest.mark.slow
 def test_readme_examples_run(tmp_path):
     (tmp_path / "tools").symlink_to(ROOT / "tools")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",

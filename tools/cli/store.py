@@ -4,7 +4,6 @@ echospec.datastore and echospec.retriever)."""
 from __future__ import annotations
 
 import atexit
-import functools
 import json
 import shlex
 import sys
@@ -14,24 +13,13 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ..datastore import CorpusError, DatastoreError, open_datastore
-from ..datastore import build as build_datastore
-from ..datastore import enroll as enroll_speaker
-from .cli import main
+from ...datastore import DatastoreError, open_datastore
+from ...datastore import build as build_datastore
+from ...datastore import enroll as enroll_speaker
+from .errors import fail_cleanly
 
 
-def _fail_cleanly(fn):
-    """Library errors become one-line messages with exit status 1, not tracebacks."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (CorpusError, DatastoreError) as e:
-            raise click.ClickException(str(e)) from None
-    return wrapper
-
-
-@main.command()
+@click.command()
 @click.argument("corpus", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.argument("store", type=click.Path(path_type=Path))
 @click.option("--per-speaker/--no-per-speaker", default=True, show_default=True,
@@ -51,11 +39,11 @@ def _fail_cleanly(fn):
 @click.option("--n-max", default=None, type=int, help="Longest context suffix matched [8].")
 @click.option("--force", is_flag=True, help="Replace STORE if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-@_fail_cleanly
+@fail_cleanly
 def build(corpus, store, per_speaker, faiss, embeddings, faiss_dim, faiss_max_vectors, speech_offset, vocab_size,
           stop_ids, n_min, n_max, force, quiet):
     """Build datastore STORE from CORPUS files (.jsonl, a .jsonl manifest of .npy files, or .npz)."""
-    from ..datastore import N_MAX, N_MIN
+    from ...datastore import N_MAX, N_MIN
     started = time.perf_counter()
     ds = build_datastore(list(corpus), store, per_speaker=per_speaker, faiss=faiss, embeddings=embeddings,
                          speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
@@ -70,12 +58,12 @@ def build(corpus, store, per_speaker, faiss, embeddings, faiss_dim, faiss_max_ve
                + f" in {time.perf_counter() - started:.1f} s")
 
 
-@main.command()
+@click.command()
 @click.argument("store", type=click.Path(path_type=Path))
 @click.argument("speaker")
 @click.argument("corpus", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--replace", is_flag=True, help="Replace the speaker's store instead of adding to it.")
-@_fail_cleanly
+@fail_cleanly
 def enroll(store, speaker, corpus, replace):
     """Add SPEAKER's utterances from CORPUS to STORE (the general store is left untouched)."""
     ds = enroll_speaker(store, speaker, list(corpus), replace=replace)
@@ -84,11 +72,11 @@ def enroll(store, speaker, corpus, replace):
                f"{row['tokens']} tokens")
 
 
-@main.command()
+@click.command()
 @click.argument("store", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the catalog as JSON.")
 @click.option("--verify", is_flag=True, help="Also check every file's sha256.")
-@_fail_cleanly
+@fail_cleanly
 def info(store, as_json, verify):
     """Describe datastore STORE from its catalog."""
     data = open_datastore(store, verify=verify).info()
@@ -120,7 +108,7 @@ HELP = """type token ids (spaces or commas) to see the proposal for that context
   :help           this text                     :quit        leave (or Ctrl-D)"""
 
 
-@main.command()
+@click.command()
 @click.argument("store", type=click.Path(path_type=Path))
 @click.option("--context", help="One-shot: propose for these ids (e.g. '12 7 7 301') and exit.")
 @click.option("--speaker", help="Use this speaker's store too.")
@@ -130,7 +118,7 @@ HELP = """type token ids (spaces or commas) to see the proposal for that context
 @click.option("--no-faiss", is_flag=True, help="Exact stores and prompt lookup only.")
 @click.option("--no-prompt", is_flag=True, help="No prompt lookup on the context itself.")
 @click.option("--json", "as_json", is_flag=True, help="Print the tree as JSON.")
-@_fail_cleanly
+@fail_cleanly
 def query(store, context, speaker, max_nodes, max_depth, raw_ids, no_faiss, no_prompt, as_json):
     """Propose candidate trees from STORE: interactively, or once with --context."""
     session = _QuerySession(store, speaker, max_nodes, max_depth, raw_ids, not no_faiss, not no_prompt)
@@ -194,7 +182,7 @@ class _QuerySession:
             self.use_speaker(speaker)
 
     def open(self, store) -> None:
-        from ..retriever import Retriever
+        from ...retriever import Retriever
         self.retriever = Retriever(open_datastore(store), **self.options)
         self.store = store
         self.retriever.propose(np.zeros(1, np.int64))  # load the compiled kernels before timing
@@ -275,3 +263,6 @@ def _save_history(readline, path: Path) -> None:
         readline.write_history_file(path)
     except OSError:
         pass
+
+
+COMMANDS = (build, enroll, info, query)

@@ -18,12 +18,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .files import atomic_file
+from ...datastore.files import atomic_file
+from . import SAMPLE_MODEL_DIR
 
 META_FILE = "echospec_tts.json"
 FORMAT = "echospec-tts/1"
-SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
-SAMPLE_MODEL_DIR = SAMPLE_DIR / "model"
 PAD_ID, BOS_ID = 0, 1
 
 

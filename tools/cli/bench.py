@@ -1,15 +1,12 @@
-"""`echospec bench` and `echospec demo`."""
+"""`echospec bench` and `echospec demo`: thin layers over echospec.tools.bench.bench and .demo."""
 
 from __future__ import annotations
 
 import click
 
-from ..datastore import DatastoreError
-from .bench import POLICIES, BenchError, bench, format_table
-from .cli import main
-
-USER_ERRORS = (BenchError, DatastoreError, ValueError, OSError)
-"""What a bad checkpoint, store, prompts file or output folder raises: a message, not a traceback."""
+from ..bench.harness import POLICIES
+from .errors import fail_cleanly, needs_extra
+from .options import limit_option, out_option, threads_option
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -19,7 +16,7 @@ def _ints(text: str) -> tuple[int, ...]:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
-@main.command("bench")
+@click.command("bench")
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.option("--store", required=True, type=click.Path(exists=True, file_okay=False), help="Datastore directory.")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False),
@@ -33,16 +30,17 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--sweep-depths", default="", help="Depths to sweep, e.g. 4,12.")
 @click.option("--sweep-policy", "sweep_policies", multiple=True, type=click.Choice(POLICIES),
               help="Policies the sweeps run (default: exact-sampling if benchmarked, else the first policy).")
-@click.option("--limit", type=click.IntRange(1), help="Use the first N prompts.")
+@limit_option()
 @click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(1),
-              help="torch threads (a small model runs fastest on one).")
+@threads_option
 @click.option("--seed", default=0, show_default=True)
 @click.option("--tau", type=click.IntRange(1), help="Filtered: top-tau (default: the paper's 512/6561 of the vocabulary).")
 @click.option("--beta", default=0.2, show_default=True, type=click.FloatRange(0, 1), help="Tolerance's beta.")
 @click.option("--similarity", default=0.3, show_default=True, type=click.FloatRange(-1, 1),
               help="SimilarityGroups' cosine threshold.")
-@click.option("--out", "out_dir", default="runs/bench", show_default=True, type=click.Path(file_okay=False))
+@out_option("runs/bench")
+@needs_extra("bench")
+@fail_cleanly
 def bench_command(checkpoint, store, prompts, tokenizer, policies, stores, nodes, depth, sweep_nodes, sweep_depths,
                   sweep_policies, limit, max_new_tokens, threads, seed, tau, beta, similarity, out_dir):
     """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT.
@@ -51,34 +49,34 @@ def bench_command(checkpoint, store, prompts, tokenizer, policies, stores, nodes
     echospec bench tools/sample/model --store runs/demo/store --prompts tools/sample/prompts.jsonl \\
         --tokenizer tools/sample/tokenizer.npz --limit 20 --sweep-nodes 8,32
     """
+    from ..bench import bench, format_table
+
     stores = tuple(s.strip() for s in stores.split(",") if s.strip())
     if not stores or set(stores) - {"speaker", "general"}:
         raise click.BadParameter("use speaker and/or general", param_hint="--stores")
     if nodes != "auto" and not nodes.isdigit():
         raise click.BadParameter("an integer or 'auto'", param_hint="--nodes")
-    try:
-        report = bench(checkpoint, store, prompts, tokenizer=tokenizer, policies=policies or POLICIES, stores=stores,
-                       max_nodes=nodes if nodes == "auto" else int(nodes), max_depth=depth,
-                       sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,),
-                       sweep_policies=sweep_policies, limit=limit,
-                       max_new_tokens=max_new_tokens, threads=threads, seed=seed, tau=tau, beta=beta,
-                       similarity=similarity, out_dir=out_dir)
-    except USER_ERRORS as e:
-        raise click.ClickException(str(e)) from None
+    report = bench(checkpoint, store, prompts, tokenizer=tokenizer, policies=policies or POLICIES, stores=stores,
+                   max_nodes=nodes if nodes == "auto" else int(nodes), max_depth=depth,
+                   sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,),
+                   sweep_policies=sweep_policies, limit=limit,
+                   max_new_tokens=max_new_tokens, threads=threads, seed=seed, tau=tau, beta=beta,
+                   similarity=similarity, out_dir=out_dir)
     click.echo(format_table(report))
     click.echo(f"\nWrote {out_dir}/bench.json, bench.md and bench.png")
 
 
-@main.command("demo")
-@click.option("--out", "out_dir", default="runs/demo", show_default=True, type=click.Path(file_okay=False))
-@click.option("--limit", default=12, show_default=True, type=click.IntRange(1), help="Held-out sentences to synthesize.")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(1),
-              help="torch threads (a small model runs fastest on one).")
+@click.command("demo")
+@out_option("runs/demo")
+@limit_option(12, help="Held-out sentences to synthesize.")
+@threads_option
+@needs_extra("bench")
+@fail_cleanly
 def demo_command(out_dir, limit, threads):
     """The embedded default: build stores from the shipped sample, query, and benchmark every policy."""
-    from .demo import demo
+    from ..bench import demo
 
-    try:
-        demo(out_dir=out_dir, limit=limit, threads=threads, echo=click.echo)
-    except USER_ERRORS as e:
-        raise click.ClickException(str(e)) from None
+    demo(out_dir=out_dir, limit=limit, threads=threads, echo=click.echo)
+
+
+COMMANDS = (bench_command, demo_command)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .files import atomic_file
+from ...datastore.files import atomic_file
 from .speech_tokenizer import DEFAULT_MEL, MelConfig, log_mel, resample, train_tokenizer
 
 APT_PACKAGES = {"espeak-ng": "espeak-ng", "flite": "flite"}

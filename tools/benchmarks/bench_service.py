@@ -26,35 +26,35 @@ network), and with --profile a py-spy sample of the service under 8 clients, gro
 and time spent preempted there, is charged to the last Python line that ran, mostly the response's
 transport.write, which wakes the client).
 
-    python -m echospec.tools.bench_service --out bench/service           # ~5 minutes
-    python -m echospec.tools.bench_service --think-ms 5 --modes inproc,binary --batch 1 --no-profile
-    python -m echospec.tools.bench_service --store my_store --rounds 5 --seconds 3 --profile
+    python -m echospec.tools.benchmarks.bench_service --out bench/service           # ~5 minutes
+    python -m echospec.tools.benchmarks.bench_service --think-ms 5 --modes inproc,binary --batch 1 --no-profile
+    python -m echospec.tools.benchmarks.bench_service --store my_store --rounds 5 --seconds 3 --profile
 """
 
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
 import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
 
-THREADS = "1"  # pinned before numpy/numba load their thread pools
-for _var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ[_var] = THREADS
+import click
+import numpy as np
 
-import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import platform  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-from pathlib import Path  # noqa: E402
+from ...datastore.files import atomic_file
+from ..bench.harness import pin_threads, rotated
+from ..cli.options import out_option
 
-import click  # noqa: E402
-import numpy as np  # noqa: E402
-
+THREADS = 1  # per process: the clients, the service and this one
 MODES = ("inproc", "binary", "json", "httpx", "floor")
 SINGLE_ONLY = ("httpx", "floor")  # modes measured for one-context requests only
 WARMUP_CALLS = 200
@@ -67,14 +67,14 @@ WARMUP_CALLS = 200
 def make_client(mode: str, url: str, store_name: str, store_dir: str):
     """A callable proposing a list of (context, speaker) pairs in one request (or in-process call)."""
     if mode == "inproc":
-        from ..retriever import Retriever
+        from ...retriever import Retriever
 
         retriever = Retriever(store_dir)
         return lambda batch: [retriever.propose(c, speaker=s) for c, s in batch]
     if mode == "httpx":
         import httpx
 
-        from ..retriever.wire import BINARY, decode_trees, encode_contexts
+        from ...retriever.wire import BINARY, decode_trees, encode_contexts
 
         client = httpx.Client(timeout=10.0)
         endpoint = f"{url}/v1/stores/{store_name}/propose"
@@ -86,7 +86,7 @@ def make_client(mode: str, url: str, store_name: str, store_dir: str):
             return decode_trees(answer.content)
 
         return call
-    from ..retriever.remote import RemoteRetriever
+    from ...retriever.remote import RemoteRetriever
 
     remote = RemoteRetriever(url, store=store_name, timeout=10.0, payload=mode)
     return lambda batch: remote.propose_batch([c for c, _ in batch], speaker=batch[0][1])
@@ -185,7 +185,7 @@ def free_port() -> int:
 
 
 def start_service(store_dir: Path, store_name: str, port: int) -> subprocess.Popen:
-    from ..retriever.remote import RemoteRetriever, RetrieverUnavailable
+    from ...retriever.remote import RemoteRetriever, RetrieverUnavailable
 
     echospec = str(Path(sys.executable).with_name("echospec"))
     proc = subprocess.Popen([echospec, "serve", f"{store_name}={store_dir}", "--port", str(port)])
@@ -224,7 +224,7 @@ class FloorApp:
 def serve_floor(port: int, answer: bytes) -> None:
     import uvicorn
 
-    from ..retriever.service import ServiceHttpProtocol
+    from ...retriever.service import ServiceHttpProtocol
 
     uvicorn.run(FloorApp(answer), host="127.0.0.1", port=port, log_level="warning", access_log=False,
                 server_header=False, http=ServiceHttpProtocol, proxy_headers=False, lifespan="off")
@@ -232,8 +232,8 @@ def serve_floor(port: int, answer: bytes) -> None:
 
 def start_floor(store_dir: str, utterances: list[dict], port: int):
     """`serve_floor` in a forked process, answering with the tree of a typical request."""
-    from ..retriever import Retriever
-    from ..retriever.wire import encode_trees
+    from ...retriever import Retriever
+    from ...retriever.wire import encode_trees
 
     (context, speaker), = make_requests(utterances, 1, 1, seed=0)[0]
     answer = encode_trees([Retriever(store_dir).propose(context, speaker=speaker)])
@@ -261,7 +261,7 @@ CATEGORIES = (  # first match wins, checked from the innermost frame outwards
     ("metrics (prometheus_client)", ("prometheus_client", "Metrics.")),
     ("uvicorn + httptools: HTTP parsing, response", ("uvicorn/", "httptools", "_OneWriteCycle", "HttpToolsProtocol",
                                                       "ServiceHttpProtocol")),
-    ("service: routing, body, validation", ("retriever/service.py",)),
+    ("service: routing, body, validation", ("retriever/service",)),
     ("event loop (uvloop/asyncio), socket I/O", ("uvloop", "asyncio/", "selectors")),
 )
 
@@ -290,9 +290,9 @@ def codec_costs(store_dir: str, utterances: list[dict], lengths=(100, 500, 2000)
     of the payload choice that the network does not blur. Alternates A B per round; medians."""
     import timeit
 
-    from ..retriever import CandidateTree, Retriever
-    from ..retriever.service import ProposeRequest
-    from ..retriever.wire import decode_contexts, decode_trees, encode_contexts, encode_trees
+    from ...retriever import CandidateTree, Retriever
+    from ...retriever.service import ProposeRequest
+    from ...retriever.wire import decode_contexts, decode_trees, encode_contexts, encode_trees
 
     retriever = Retriever(store_dir)
     stream = np.concatenate([np.array(u["tokens"], np.int64) for u in utterances[:2000]])
@@ -358,14 +358,15 @@ def make_requests(corpus: list[dict], n: int, batch: int, seed: int) -> list[lis
 @click.option("--think-ms", default=0.0, show_default=True,
               help="Pause after each answer (a model forward); 0 = closed loop, every client saturating.")
 @click.option("--profile/--no-profile", default=True, show_default=True, help="py-spy breakdown of the service.")
-@click.option("--out", type=click.Path(file_okay=False), default="bench/service", show_default=True)
-def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds, think_ms, profile, out) -> None:
+@out_option("bench/service")
+def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds, think_ms, profile, out_dir) -> None:
     """Requests/s and p50/p99 propose latency, in-process vs over loopback HTTP."""
-    from ..datastore import build
-    from .synth_corpus import SynthConfig, generate, write_jsonl
+    from ...datastore import build
+    from ..corpus.synth_corpus import SynthConfig, generate, write_jsonl
 
+    pin_threads(THREADS)
     load_at_start = os.getloadavg()  # other work on the machine skews every number: say how much there was
-    out = Path(out)
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-service-"))
     try:
@@ -394,7 +395,8 @@ def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds
                        "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
                        "rounds": rounds, "seconds_per_cell": seconds,
                        "think_ms": think_ms, "mean_context_tokens": mean_context_tokens(utterances)}
-    (out / f"service{'_think' if think_ms else ''}.json").write_text(json.dumps(report, indent=1))
+    with atomic_file(out / f"service{'_think' if think_ms else ''}.json") as f:
+        json.dump(report, f, indent=1)
     print_report(report)
 
 
@@ -425,8 +427,7 @@ def run_cells(targets, store_dir, utterances, concurrency, batches, modes, round
             cell_modes = [m for m in modes if not (m in SINGLE_ONLY and batch > 1)]
             runs = {m: [] for m in cell_modes}
             for r in range(rounds):
-                order = cell_modes[r % len(cell_modes):] + cell_modes[:r % len(cell_modes)]  # A B C D, B C D A, ..
-                for mode in order:
+                for mode in rotated(cell_modes, r):  # A B C D, B C D A, ...
                     url, pid = targets[mode]
                     runs[mode].append(run_cell("binary" if mode == "floor" else mode, clients, requests, url, "bench",
                                                store_dir, seconds, pid, think))

@@ -20,35 +20,36 @@ Peers:
   min token prob) with the best oracle acceptance on separate tuning utterances among those whose p50 stays
   within 30 µs, the budget the issue sets for echospec. Unlike vLLM's default of 10,000 cached
   requests, the cache holds the whole training corpus (max_cached_requests=-1), as echospec's store does.
-- REST: tools/rest_reference.py (longest exact suffix match 16..2, continuations ranked by count, 64 nodes).
+- REST: tools/benchmarks/rest_reference.py (longest exact suffix match 16..2, continuations ranked by count,
+  64 nodes).
 
-    python -m echospec.tools.bench_retriever --tokens 10000000 --out bench/retriever
-    python -m echospec.tools.bench_retriever --corpus corpus.jsonl --out bench/retriever
+    python -m echospec.tools.benchmarks.bench_retriever --tokens 10000000 --out bench/retriever
+    python -m echospec.tools.benchmarks.bench_retriever --corpus corpus.jsonl --out bench/retriever
 """
 
 from __future__ import annotations
 
+import json
 import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
-THREADS = "1"  # pinned before numpy/numba/faiss load their thread pools
-for _var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ[_var] = THREADS
+import click
+import numpy as np
 
-import json  # noqa: E402
-import platform  # noqa: E402
-import resource  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
+from ...datastore.files import atomic_file
+from ...retriever.tree import matched_depth
+from ..bench.harness import pin_threads, pyplot, save_figure
+from ..cli.options import out_option
+from ..corpus.synth_corpus import SynthConfig, generate, write_jsonl
+from .rest_reference import RestReference
 
-import click  # noqa: E402
-import numpy as np  # noqa: E402
-
-from ..retriever.tree import matched_depth  # noqa: E402
-from .rest_reference import RestReference  # noqa: E402
-from .synth_corpus import SynthConfig, generate, write_jsonl  # noqa: E402
+THREADS = 1  # every process of the run, the build children included
 
 BATCH = 50  # calls per system before switching; the order is reshuffled every batch (see measure_latency)
 SUFFIX_DEPTH = 24  # vLLM's suffix_decoding_max_tree_depth (also its default num_speculative_tokens)
@@ -381,7 +382,7 @@ def machine_line() -> dict:
         arctic = version("arctic-inference")
     except Exception:
         arctic = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": int(THREADS), "python": platform.python_version(),
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": THREADS, "python": platform.python_version(),
             "numpy": np.__version__, "numba": numba.__version__, "arctic_inference": arctic}
 
 
@@ -424,11 +425,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     colours = {"echospec": "tab:blue", "SuffixDecoding": "tab:orange", "REST (reference)": "tab:green"}
     fig, ax = plt.subplots(figsize=(9, 5.5))
     markers = "osD^v<>pPXh*"
@@ -446,7 +443,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title("Retriever latency vs oracle acceptance\n" + result["corpus"], fontsize=9)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    save_figure(fig, path, dpi=130)
 
 
 def targets(rows: list[dict], n_store_tokens: int) -> list[tuple[str, bool]]:
@@ -483,7 +480,7 @@ def targets(rows: list[dict], n_store_tokens: int) -> list[tuple[str, bool]]:
               help="JSONL corpus ({id, speaker, tokens}); default: generate one")
 @click.option("--tokens", "n_tokens", type=click.IntRange(min=10_000), default=10_000_000, show_default=True,
               help="size of the generated corpus (ignored with --corpus)")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
+@out_option(None)
 @click.option("--held-out", "n_held", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--calls", type=click.IntRange(min=100), default=10_000, show_default=True,
               help="latency contexts per system (at least)")
@@ -494,13 +491,15 @@ def targets(rows: list[dict], n_store_tokens: int) -> list[tuple[str, bool]]:
               help="extra held-out utterances for choosing SuffixDecoding's tuned setting")
 @click.option("--faiss/--no-faiss", default=True, show_default=True, help="also build and query a FAISS store")
 @click.option("--seed", type=int, default=0, show_default=True)
-def cli(corpus, n_tokens, out, n_held, calls, rounds, warmup, n_tune, faiss, seed):
+def main(corpus, n_tokens, out_dir, n_held, calls, rounds, warmup, n_tune, faiss, seed):
     """Benchmark echospec's retriever against SuffixDecoding and REST on one corpus, in one process."""
-    from echospec.retriever import Retriever
+    from ...retriever import Retriever
 
+    pin_threads(THREADS)
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()
-    command = "python -m echospec.tools.bench_retriever " + " ".join(sys.argv[1:])
+    command = "python -m echospec.tools.benchmarks.bench_retriever " + " ".join(sys.argv[1:])
     if corpus is None:
         corpus = out / "corpus.jsonl"
         # Generous by the held-out share, so the training stores still hold at least n_tokens.
@@ -589,11 +588,13 @@ def cli(corpus, n_tokens, out, n_held, calls, rounds, warmup, n_tune, faiss, see
     result = {"corpus": f"{corpus.name}: {n} training tokens, {len(split.held)} held-out utterances, "
                         f"{len(contexts)} latency contexts x {rounds} rounds", "command": command, "machine": machine,
               "systems": rows, "extra": extra, "suffix_grid": grid, "targets": targets(rows, n)}
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(markdown(result))
+    with atomic_file(out / "results.json") as f:
+        json.dump(result, f, indent=2)
+    with atomic_file(out / "results.md") as f:
+        f.write(markdown(result))
     plot(result, out / "latency_vs_acceptance.png")
     click.echo(markdown(result))
 
 
 if __name__ == "__main__":
-    cli()
+    main()

@@ -16,7 +16,7 @@ retriever benchmark runs on a synthetic corpus built to fail exact matching the 
 
 Everything is vectorised NumPy: 10M tokens take a few seconds. Command line:
 
-    python -m echospec.tools.synth_corpus --tokens 10000000 --out corpus.jsonl
+    python -m echospec.tools.corpus.synth_corpus --tokens 10000000 --out corpus.jsonl
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import click
 import numpy as np
 
-from .files import atomic_file
+from ...datastore.files import atomic_file
 
 FRAME_RATE = 25  # tokens per second
 MIN_SECONDS, MAX_SECONDS = 2.0, 15.0
@@ -320,7 +320,7 @@ def write_jsonl(corpus: Corpus, path: str | os.PathLike) -> None:
 @click.option("--speakers", "n_speakers", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="JSONL file to write")
-def cli(n_tokens: int, vocab: int, n_speakers: int, seed: int, out: str) -> None:
+def main(n_tokens: int, vocab: int, n_speakers: int, seed: int, out: str) -> None:
     """Write a synthetic speech-like token corpus as JSONL."""
     n_phones = min(81, vocab // 3)
     try:
@@ -332,4 +332,4 @@ def cli(n_tokens: int, vocab: int, n_speakers: int, seed: int, out: str) -> None
 
 
 if __name__ == "__main__":
-    cli()
+    main()

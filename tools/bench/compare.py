@@ -12,41 +12,33 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from .files import atomic_file
+from ...datastore.files import atomic_file
+from ..corpus.tts_prompt import TTSMeta, encode_prompt
+from .harness import (
+    POLICIES,
+    BenchError,
+    ForwardCounter,
+    Prompt,
+    RelaxedSettings,
+    System,
+    echospec_run,
+    hf_generate_run,
+    make_policy,
+    measure_cost_curve,
+    plot_cost_curve,
+    pyplot,
+    rotated,
+    save_figure,
+    warm_up,
+)
 from .quality import bootstrap_ci, dtw_distance, relative_difference_ci
-from .tts_prompt import TTSMeta, encode_prompt
 
-POLICIES = ("exact-greedy", "exact-sampling", "filtered", "tolerance", "similarity")
-
-
-class BenchError(ValueError):
-    """A prompts file, checkpoint or option the benchmark cannot use."""
-
-
-@dataclass(frozen=True)
-class Prompt:
-    id: str
-    speaker: str | None
-    input_ids: list[int]
-    reference: list[int] | None
-
-
-@dataclass
-class System:
-    """One way of decoding: `run(model, prompt, seed) -> (model ids generated, target forwards, seconds)`."""
-
-    name: str
-    baseline: str  # the system this one's speed-up is measured against
-    lossless_of: str | None  # a lossless system must reproduce this one (greedy) or match it in distribution
-    run: Callable
-    accepted: list[int] = field(default_factory=list)
+__all__ = ["POLICIES", "BenchError", "bench", "format_table", "load_prompts", "summarise"]
 
 
 def load_prompts(path, meta: TTSMeta | None, limit: int | None = None) -> list[Prompt]:
@@ -77,88 +69,32 @@ def load_prompts(path, meta: TTSMeta | None, limit: int | None = None) -> list[P
     return prompts
 
 
-PAPER_TAU_SHARE = 512 / 6561
-"""The retrieval paper's filtered acceptance used tau = 512 on CosyVoice 2's 6561 speech tokens; the
-same share of a smaller vocabulary keeps the rule's strictness comparable."""
-
-
-@dataclass(frozen=True)
-class RelaxedSettings:
-    tau: int  # Filtered: accept drafts within the target's top-tau
-    beta: float = 0.2  # Tolerance: accept x when r < q(x) + beta
-    similarity: float = 0.3  # SimilarityGroups: cosine threshold of a token's group
-
-    @classmethod
-    def for_vocabulary(cls, size: int, tau=None, beta=0.2, similarity=0.3) -> "RelaxedSettings":
-        return cls(tau or max(1, round(PAPER_TAU_SHARE * size)), beta, similarity)
-
-
-def make_policy(name: str, seed: int, relaxed: RelaxedSettings):
-    from ..decoder import (
-        RAS,
-        ExactGreedy,
-        ExactSampling,
-        Filtered,
-        SimilarityGroups,
-        Tolerance,
-    )
-
-    factories = {
-        "exact-greedy": lambda: ExactGreedy(),
-        "exact-sampling": lambda: ExactSampling(RAS(), seed=seed),
-        "filtered": lambda: Filtered(tau=relaxed.tau, sampler=RAS(), seed=seed),
-        "tolerance": lambda: Tolerance(beta=relaxed.beta, sampler=RAS(), seed=seed),
-        "similarity": lambda: SimilarityGroups(threshold=relaxed.similarity, sampler=RAS(), seed=seed),
-    }
-    if name not in factories:
-        raise BenchError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
-    return factories[name]()
-
-
 def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_depths, sweep_policies, max_nodes,
              max_depth, max_new_tokens, relaxed: RelaxedSettings) -> list[System]:
-    import torch
-
-    from ..decoder import generate
-
-    forwards = [0]
-    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    counter = ForwardCounter(model)
+    stop_ids = list(speech.stop_ids)
 
     def hf(**extra):
-        def run(prompt, seed):
-            forwards[0] = 0
-            ids = torch.tensor([prompt.input_ids])
-            start = time.perf_counter()
-            out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(speech.stop_ids),
-                                 pad_token_id=speech.stop_ids[0], attention_mask=torch.ones_like(ids), **extra)
-            seconds = time.perf_counter() - start
-            # each step after the prefill verifies no tree; prompt lookup's candidate lengths are not seen
-            tree_sizes = None if extra else [0] * (forwards[0] - 1)
-            return out[0, len(prompt.input_ids):].tolist(), forwards[0], seconds, [], tree_sizes
-        return run
+        return hf_generate_run(model, counter, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+                               pad_token_id=stop_ids[0], **extra)
 
     def echospec(policy, store, nodes, depth):
-        def run(prompt, seed):
-            result = generate(model, retriever if store else None, input_ids=prompt.input_ids,
-                              policy=make_policy(policy, seed, relaxed), speech=speech,
-                              speaker=prompt.speaker if store == "speaker" else None,
-                              max_new_tokens=max_new_tokens, max_nodes=nodes, max_depth=depth)
-            stats = result.stats
-            return result.tokens, stats.target_forwards, stats.wall_seconds, stats.accepted_lengths, stats.node_budgets
-        return run
+        return echospec_run(model, retriever if store else None, lambda seed: make_policy(policy, seed, relaxed),
+                            speech, speaker=store == "speaker", max_new_tokens=max_new_tokens, max_nodes=nodes,
+                            max_depth=depth)
 
     systems = [
-        System("autoregressive", "autoregressive", None, hf()),
-        System("hf-prompt-lookup", "autoregressive", "autoregressive", hf(prompt_lookup_num_tokens=10)),
+        System("autoregressive", hf()),
+        System("hf-prompt-lookup", hf(prompt_lookup_num_tokens=10), "autoregressive", "autoregressive"),
     ]
     if any(p != "exact-greedy" for p in policies):
-        systems.append(System("ar-sampling", "ar-sampling", None, echospec("exact-sampling", None, 0, 1)))
+        systems.append(System("ar-sampling", echospec("exact-sampling", None, 0, 1)))
     for policy in policies:
         greedy = policy == "exact-greedy"
         baseline = "autoregressive" if greedy else "ar-sampling"
         lossless = baseline if policy.startswith("exact") else None
         for store in stores:
-            systems.append(System(f"{policy}/{store}", baseline, lossless, echospec(policy, store, max_nodes, max_depth)))
+            systems.append(System(f"{policy}/{store}", echospec(policy, store, max_nodes, max_depth), baseline, lossless))
     for policy in sweep_policies or ["exact-sampling" if "exact-sampling" in policies else policies[0]]:
         baseline = "autoregressive" if policy == "exact-greedy" else "ar-sampling"
         lossless = baseline if policy.startswith("exact") else None
@@ -166,7 +102,7 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
             for depth in sweep_depths:
                 if (nodes, depth) != (max_nodes, max_depth):
                     name = f"{policy}/{stores[0]}/n{nodes}d{depth}"
-                    systems.append(System(name, baseline, lossless, echospec(policy, stores[0], nodes, depth)))
+                    systems.append(System(name, echospec(policy, stores[0], nodes, depth), baseline, lossless))
     return systems
 
 
@@ -176,15 +112,12 @@ def verify_cost_curve(model, speech, prompts: list[Prompt], largest: int, contex
     Measured mid-utterance (the prompt plus up to `context` tokens of its reference speech), since a tree
     forward's cost grows with the context faster than a one-token step's. Returns (curve, context length).
     """
-    from ..decoder import ExactGreedy, SpeculativeSession
-    from ..decoder.cost import CURVE_SIZES
+    from ...decoder.cost import CURVE_SIZES
 
     prompt = max(prompts, key=lambda p: len(p.reference or ()))
     ids = prompt.input_ids + speech.to_model((prompt.reference or [])[:context])
-    session = SpeculativeSession(model, None, ExactGreedy(), speech, max_new_tokens=1)
-    session.prefill(input_ids=ids)
     sizes = sorted({s for s in CURVE_SIZES if s < largest} | {largest})
-    return session.measure_cost_curve(sizes, repeats=20), len(ids)
+    return measure_cost_curve(model, speech, ids, sizes, repeats=20), len(ids)
 
 
 def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
@@ -196,12 +129,12 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
     import torch
     from tqdm import tqdm
 
-    from ..decoder import SpeechVocab
-    from ..decoder.scoring import mean_log_likelihood
-    from ..decoder.session import node_cap
-    from ..retriever import Retriever
-    from .speech_tokenizer import SpeechTokenizer
-    from .tts_prompt import META_FILE, load_sample_tts
+    from ...decoder import SpeechVocab
+    from ...decoder.scoring import mean_log_likelihood
+    from ...decoder.cost import node_cap
+    from ...retriever import Retriever
+    from ..corpus.speech_tokenizer import SpeechTokenizer
+    from ..corpus.tts_prompt import META_FILE, load_sample_tts
 
     unknown = set(sweep_policies) - set(policies)
     if unknown:
@@ -218,23 +151,21 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
     systems = _systems(model, retriever, speech, list(policies), list(stores), sweep_nodes, sweep_depths,
                        list(sweep_policies), max_nodes, max_depth, max_new_tokens, relaxed)
 
-    for system in systems:  # warm-up: first calls pay for lazy initialisation and numba compilation
-        system.run(prompts[0], seed)
+    warm_up(systems, prompts[0], seed)
     curve, curve_context = verify_cost_curve(model, speech, prompts, max(node_cap(n) for n in [max_nodes, *sweep_nodes]))
     rows = {s.name: [] for s in systems}
     for i, prompt in enumerate(tqdm(prompts, desc="bench", unit="utt", disable=not progress)):
-        order = systems[i % len(systems):] + systems[: i % len(systems)]
-        for system in order:
-            tokens, forwards, seconds, accepted, tree_sizes = system.run(prompt, seed + i)
-            system.accepted.extend(accepted)
-            speech_tokens = speech.to_local(tokens)
+        for system in rotated(systems, i):
+            run = system.run(prompt, seed + i)
+            system.accepted.extend(run.accepted)
+            speech_tokens = speech.to_local(run.tokens)
             rows[system.name].append({
-                "prompt": prompt.id, "tokens": tokens, "new_tokens": len(tokens), "forwards": forwards,
-                "seconds": seconds, "time_per_token": seconds / max(len(tokens), 1),
+                "prompt": prompt.id, "tokens": run.tokens, "new_tokens": len(run.tokens), "forwards": run.forwards,
+                "seconds": run.seconds, "time_per_token": run.seconds / max(len(run.tokens), 1),
                 # the prefill, then each step's forward in one-token-step units of this machine's curve
-                "forward_cost": (None if tree_sizes is None
-                                 else 1 + float(np.sum(curve.time(tree_sizes))) / curve.seconds[0]),
-                "log_likelihood": mean_log_likelihood(model, prompt.input_ids, tokens),
+                "forward_cost": (None if run.tree_sizes is None
+                                 else 1 + float(np.sum(curve.time(run.tree_sizes))) / curve.seconds[0]),
+                "log_likelihood": mean_log_likelihood(model, prompt.input_ids, run.tokens),
                 "mel_distortion": (dtw_distance(mel(speech_tokens), mel(prompt.reference))
                                    if mel is not None and prompt.reference and speech_tokens else None),
             })
@@ -333,11 +264,7 @@ def write_report(report: dict, systems: list[System], out_dir: Path) -> None:
 
 def plot(report: dict, systems: list[System], path: Path) -> None:
     """Accepted tree nodes per step for each echospec system; speed-up against quality; the verify-cost curve."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right, cost) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [3, 3, 2]})
     colors = plt.get_cmap("tab20")
     for i, system in enumerate(systems):
@@ -356,11 +283,8 @@ def plot(report: dict, systems: list[System], path: Path) -> None:
               ylabel="target mean log-likelihood (95% CI)", title="Speed against quality")
     curve = report.get("verify_cost_curve")
     if curve:
-        cost.plot(curve["sizes"], curve["relative"], marker="o", label="this machine")
+        plot_cost_curve(cost, curve, label="this machine")
         cost.axhline(1.0, color="grey", linestyle="--", label="flat (a GPU, roughly)")
         cost.legend(fontsize=7)
-    cost.set(xlabel="tree nodes verified", ylabel="forward time / one-token step", title="Verify-cost curve")
     fig.tight_layout()
-    with atomic_file(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -1,6 +1,6 @@
 """How the retriever's defaults were chosen: oracle acceptance on held-out utterances.
 
-Builds a datastore from a seeded speech-like corpus (tools/synth_corpus.py) minus every 20th
+Builds a datastore from a seeded speech-like corpus (tools/corpus/synth_corpus.py) minus every 20th
 utterance, then replays each held-out utterance as a TTS request would see it: the context is a
 prompt (the speaker's last stored utterance, 150 tokens = 6 s) followed by the output so far; at
 every step the proposal is verified against the true continuation (oracle), the accepted tokens plus
@@ -8,7 +8,7 @@ the verifier's own token are appended. Reports tokens per step (= mean accepted 
 defaults and for each setting changed one at a time from them (the store is sorted to depth 16 so
 n_max can be varied down from the default 8 and up). Not a speed benchmark.
 
-    python -m echospec.tools.retriever_defaults --tokens 1000000
+    python -m echospec.tools.benchmarks.retriever_defaults --tokens 1000000
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from pathlib import Path
 
 import click
 import numpy as np
-from echospec.datastore import build
-from echospec.retriever import Retriever
-from echospec.tools.synth_corpus import SynthConfig, generate
+
+from ...datastore import build
+from ...retriever import Retriever
+from ..corpus.synth_corpus import SynthConfig, generate
 
 
 def replay(retriever: Retriever, requests, prompt_tokens: int = 150) -> float:
@@ -41,7 +42,8 @@ def replay(retriever: Retriever, requests, prompt_tokens: int = 150) -> float:
 @click.option("--tokens", default=1_000_000, show_default=True)
 @click.option("--held-out", default=60, show_default=True, help="held-out utterances replayed")
 @click.option("--seed", default=0, show_default=True)
-def cli(tokens: int, held_out: int, seed: int) -> None:
+def main(tokens: int, held_out: int, seed: int) -> None:
+    """Oracle tokens per step for the retriever's defaults and for each setting changed one at a time."""
     corpus = generate(SynthConfig(n_tokens=tokens, seed=seed))
     test = set(range(0, len(corpus), 20)[:held_out])
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,4 +74,4 @@ def cli(tokens: int, held_out: int, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    main()

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import faiss
 import numpy as np
 
-from .files import atomic_file
+from ...datastore.files import atomic_file
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
-from .cli import main
+from .errors import fail_cleanly, needs_extra
 
 
-@main.command()
+@click.command()
 @click.argument("stores", nargs=-1, required=True, metavar="STORE...")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Loopback by default; anything else exposes proposals to the network.")
@@ -27,20 +27,22 @@ from .cli import main
               help="Seconds between checks for writes made by other processes (0: never check).")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--docs", is_flag=True, help="Also serve the API's description: /docs, /redoc, /openapi.json.")
+@needs_extra("service")
+@fail_cleanly
 def serve(stores, host, port, api_key_file, max_body_mb, max_batch, max_nodes, max_depth, reload_interval,
-          log_level) -> None:
+          log_level, docs) -> None:
     """Serve datastores over HTTP: propose, list stores and speakers, enroll, /healthz, /metrics.
 
     Each STORE is a datastore directory, served under its directory name, or NAME=DIR.
     """
-    from ..datastore import DatastoreError
-    from ..retriever.service import Limits
-    from ..retriever.service import serve as run
+    from ...retriever.service import Limits
+    from ...retriever.service import serve as run
 
     limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_batch=max_batch)
-    try:
-        run(stores, host=host, port=port, api_key_file=api_key_file, limits=limits,
-            retriever_options={"max_nodes": max_nodes, "max_depth": max_depth}, reload_interval=reload_interval or None,
-            log_level=log_level)
-    except (DatastoreError, ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+    run(stores, host=host, port=port, api_key_file=api_key_file, limits=limits,
+        retriever_options={"max_nodes": max_nodes, "max_depth": max_depth}, reload_interval=reload_interval or None,
+        log_level=log_level, docs=docs)
+
+
+COMMANDS = (serve,)

@@ -5,19 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .bench import bench, format_table
-from .tts_prompt import SAMPLE_DIR, SAMPLE_MODEL_DIR
-
-SAMPLE_CORPUS = SAMPLE_DIR / "corpus.jsonl"
-SAMPLE_PROMPTS = SAMPLE_DIR / "prompts.jsonl"
-SAMPLE_TOKENIZER = SAMPLE_DIR / "tokenizer.npz"
+from ..corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
+from .compare import bench, format_table
 
 
 def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, echo=print, progress: bool = True) -> dict:
     """Build a general and per-speaker datastore from the sample corpus, show one query, and benchmark
     autoregressive decoding against each acceptance policy on `limit` held-out sentences."""
-    from ..datastore import build
-    from ..retriever import Retriever
+    from ...datastore import build
+    from ...retriever import Retriever
 
     out_dir = Path(out_dir)
     store = out_dir / "store"

@@ -1,7 +1,7 @@
 """Train a small speech-token TTS language model (LlamaForCausalLM) on a corpus folder, on CPU.
 
 Each example is `<bos> speaker text <tts>` (the prompt, no loss) followed by `speech tokens <eos_speech>`
-(the target, with loss); see tools/tts_prompt.py for the vocabulary. The held-out set is the corpus
+(the target, with loss); see tools/corpus/tts_prompt.py for the vocabulary. The held-out set is the corpus
 folder's prompts.jsonl (utterances kept out of the corpus), or a seeded slice of the corpus if it has none.
 The schedule is fixed by `steps` so a run is reproducible for a seed; `max_minutes` is only a safety cap
 (the report says when it cut training short). Saved with `save_pretrained` (safetensors) plus
@@ -14,8 +14,6 @@ import json
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from ...datastore.files import SHARED_FILE_MODE, atomic_dir
 from .tts_prompt import TTSMeta, encode_prompt, encode_target, normalise_text
 
 IGNORE = -100
@@ -208,19 +207,14 @@ def sample_lengths(model: LlamaForCausalLM, meta: TTSMeta, rows: list[dict], n: 
 
 
 def _save(model: LlamaForCausalLM, meta: TTSMeta, out_dir: Path, report: dict) -> None:
-    """save_pretrained into a temporary sibling folder, then swap it in, so a crash leaves no half checkpoint."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; the checkpoint is shipped and shared
+    """save_pretrained into a temporary sibling folder that is swapped in whole: a crash leaves no half checkpoint."""
     model.generation_config = GenerationConfig(bos_token_id=meta.bos_id, eos_token_id=meta.stop_id, pad_token_id=meta.pad_id)
-    model.save_pretrained(tmp, safe_serialization=True)
-    meta.save(tmp)
-    (tmp / "training_report.json").write_text(json.dumps(report, indent=2))
-    for path in tmp.iterdir():
-        path.chmod(0o644)  # safetensors writes 0600; the checkpoint is shipped and shared
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        meta.save(tmp)
+        (tmp / "training_report.json").write_text(json.dumps(report, indent=2))
+        for path in tmp.iterdir():
+            path.chmod(SHARED_FILE_MODE)  # safetensors writes 0600; the checkpoint is shipped and shared
 
 
 def train_model(corpus_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: TrainConfig = TrainConfig(), progress: bool = True) -> dict:
