@@ -76,10 +76,11 @@ def test_bench_sweeps_only_benchmarked_policies(sample_store, tmp_path):
     assert "Traceback" not in result.output
 
 
-def test_bench_needs_an_echospec_checkpoint(sample_store, tmp_path):
+def test_bench_refuses_a_folder_that_is_no_checkpoint(sample_store, tmp_path):
     result = CliRunner().invoke(main, ["bench", str(tmp_path), "--store", str(sample_store),
                                        "--prompts", str(SAMPLE_PROMPTS)])
-    assert result.exit_code == 1 and "echospec_tts.json" in result.output
+    assert result.exit_code == 1 and "not a Hugging Face causal LM checkpoint" in result.output
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.slow

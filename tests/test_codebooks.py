@@ -112,3 +112,22 @@ def test_no_source_proposes_an_id_impossible_at_its_position(tmp_path):
     flat_bad = [source for context in contexts(np.random.default_rng(1)) for source in
                 violations(flat.propose(context), context)]
     assert flat_bad and set(flat_bad) == {"faiss"}
+
+
+def test_the_build_command_takes_codebooks_and_drop_ids(tmp_path):
+    from click.testing import CliRunner
+
+    from echospec.tools.cli import main
+
+    corpus = orpheus_corpus(tmp_path / "orpheus.jsonl")
+    command = ["build", str(corpus), str(tmp_path / "cli"), "--speech-offset", str(ORPHEUS_OFFSET), "--vocab-size",
+               str(CODEBOOKS * CODES), "--stop-id", str(ORPHEUS_STOP), "--codebooks", str(CODEBOOKS), "--no-faiss",
+               "--quiet"] + [arg for marker in MARKERS for arg in ("--drop-id", str(marker))]
+    result = CliRunner().invoke(main, command)
+    assert result.exit_code == 0, result.output
+    vocab = open_datastore(tmp_path / "cli").info()["vocabulary"]
+    assert vocab["codebooks"] == CODEBOOKS and vocab["drop_ids"] == list(MARKERS)
+    shown = CliRunner().invoke(main, ["info", str(tmp_path / "cli")]).output
+    assert "in 7 interleaved codebooks" in shown and "dropped ids [128257, 128261, 128262]" in shown
+    refused = CliRunner().invoke(main, command[:3] + ["--vocab-size", "100", "--codebooks", "7", "--quiet"])
+    assert refused.exit_code == 1 and "codebooks must" in refused.output and "Traceback" not in refused.output

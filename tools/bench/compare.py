@@ -41,36 +41,65 @@ from .quality import bootstrap_ci, dtw_distance, relative_difference_ci
 __all__ = ["POLICIES", "BenchError", "bench", "format_table", "load_prompts", "summarise"]
 
 
-def load_prompts(path, meta: TTSMeta | None, limit: int | None = None) -> list[Prompt]:
-    """Prompts from JSONL: `input_ids` (model ids), or `text` + `speaker` for an echospec TTS checkpoint."""
-    prompts = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise BenchError(f"cannot read prompts file {path}: {e.strerror}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+def load_prompts(prompts, meta: TTSMeta | None, limit: int | None = None) -> list[Prompt]:
+    """Prompts from a JSONL file (or, from Python, a list of dicts of the same fields).
+
+    Each gives `input_ids` (model ids); or `text` + `speaker` for an echospec TTS checkpoint; or
+    `inputs_embeds` — a .pt/.npy file (relative to the JSONL file) holding [T, H] or [1, T, H], or from
+    Python a tensor, an array or a callable returning one — with `prompt_speech` (the store-local ids of the
+    prompt's speech). `speaker`, `id` and `reference_tokens` are optional.
+    """
+    if isinstance(prompts, (str, Path)):
         try:
-            row = json.loads(line)
+            lines = Path(prompts).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise BenchError(f"cannot read prompts file {prompts}: {e.strerror}") from None
+        rows, folder = [(f"{prompts}:{n}", line) for n, line in enumerate(lines, 1) if line.strip()], Path(prompts).parent
+    else:
+        rows, folder = [(f"prompt {n}", row) for n, row in enumerate(prompts, 1)], Path.cwd()
+    out = []
+    for where, row in rows[:limit]:
+        try:
+            row = json.loads(row) if isinstance(row, str) else dict(row)
+            ids, embeds = None, None
             if "input_ids" in row:
                 ids = [int(t) for t in row["input_ids"]]
+            elif "inputs_embeds" in row:
+                embeds = _embeddings(row["inputs_embeds"], folder)
             elif meta is not None:
                 ids = encode_prompt(meta, row["text"], row["speaker"])
             else:
-                raise BenchError(f"{path}:{number}: no input_ids, and the checkpoint has no echospec_tts.json to encode text")
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise BenchError(f"{path}:{number}: bad prompt line ({e})") from None
-        prompts.append(Prompt(str(row.get("id", number)), row.get("speaker"), ids, row.get("reference_tokens")))
-        if limit and len(prompts) >= limit:
-            break
-    if not prompts:
-        raise BenchError(f"{path} holds no prompts")
-    return prompts
+                raise BenchError("no input_ids or inputs_embeds, and the checkpoint has no echospec_tts.json to "
+                                 "encode text")
+            speech = row.get("prompt_speech")
+            out.append(Prompt(str(row.get("id", len(out) + 1)), row.get("speaker"), ids, row.get("reference_tokens"),
+                              embeds, None if speech is None else [int(t) for t in speech]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, OSError) as e:
+            raise BenchError(f"{where}: bad prompt ({e})") from None
+    if not out:
+        raise BenchError(f"{prompts if isinstance(prompts, (str, Path)) else 'prompts'} holds no prompts")
+    return out
+
+
+def _embeddings(value, folder: Path):
+    """A prompt's embeddings as a float tensor: from a .pt/.npy path, an array or tensor, or a callable."""
+    import torch
+
+    if callable(value):
+        value = value()
+    if isinstance(value, (str, Path)):
+        path = folder / value
+        value = torch.load(path, weights_only=True) if path.suffix == ".pt" else np.load(path, allow_pickle=False)
+    embeds = torch.as_tensor(value)
+    if embeds.dim() not in (2, 3) or not embeds.is_floating_point():
+        raise ValueError(f"inputs_embeds must be a float [T, H] or [1, T, H] array, got {embeds.dtype} "
+                         f"{tuple(embeds.shape)}")
+    return embeds
 
 
 def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_depths, sweep_policies, max_nodes,
-             max_depth, max_new_tokens, relaxed: RelaxedSettings) -> list[System]:
+             max_depth, max_new_tokens, relaxed: RelaxedSettings, hf_baselines: bool, sampler,
+             attach: dict) -> list[System]:
     counter = ForwardCounter(model)
     stop_ids = list(speech.stop_ids)
 
@@ -79,14 +108,18 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
                                pad_token_id=stop_ids[0], **extra)
 
     def echospec(policy, store, nodes, depth):
-        return echospec_run(model, retriever if store else None, lambda seed: make_policy(policy, seed, relaxed),
-                            speech, speaker=store == "speaker", max_new_tokens=max_new_tokens, max_nodes=nodes,
-                            max_depth=depth)
+        return echospec_run(model, retriever if store else None,
+                            lambda seed: make_policy(policy, seed, relaxed, sampler), speech,
+                            speaker=store == "speaker", max_new_tokens=max_new_tokens, max_nodes=nodes,
+                            max_depth=depth, **attach)
 
-    systems = [
-        System("autoregressive", hf()),
-        System("hf-prompt-lookup", hf(prompt_lookup_num_tokens=10), "autoregressive", "autoregressive"),
-    ]
+    if hf_baselines:
+        systems = [
+            System("autoregressive", hf()),
+            System("hf-prompt-lookup", hf(prompt_lookup_num_tokens=10), "autoregressive", "autoregressive"),
+        ]
+    else:  # a model with its own head, or embeddings prompts: Hugging Face generate cannot run it
+        systems = [System("autoregressive", echospec("exact-greedy", None, 0, 1))]
     if any(p != "exact-greedy" for p in policies):
         systems.append(System("ar-sampling", echospec("exact-sampling", None, 0, 1)))
     for policy in policies:
@@ -106,55 +139,108 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
     return systems
 
 
-def verify_cost_curve(model, speech, prompts: list[Prompt], largest: int, context: int = 150):
+def verify_cost_curve(model, speech, prompts: list[Prompt], largest: int, context: int = 150, **attach):
     """This machine's forward time against tree size for `model`, relative to a one-token step.
 
     Measured mid-utterance (the prompt plus up to `context` tokens of its reference speech), since a tree
-    forward's cost grows with the context faster than a one-token step's. Returns (curve, context length).
+    forward's cost grows with the context faster than a one-token step's; after the prompt alone for
+    embeddings prompts. Returns (curve, context length).
     """
     from ...decoder.cost import CURVE_SIZES
 
-    prompt = max(prompts, key=lambda p: len(p.reference or ()))
-    ids = prompt.input_ids + speech.to_model((prompt.reference or [])[:context])
     sizes = sorted({s for s in CURVE_SIZES if s < largest} | {largest})
-    return measure_cost_curve(model, speech, ids, sizes, repeats=20), len(ids)
+    prompt = max(prompts, key=lambda p: len(p.reference or ()))
+    if prompt.input_ids is None:
+        embeds = prompt.inputs_embeds
+        curve = measure_cost_curve(model, speech, None, sizes, repeats=20, inputs_embeds=embeds, **attach)
+        return curve, int(embeds.shape[-2])
+    ids = prompt.input_ids + speech.to_model((prompt.reference or [])[:context])
+    return measure_cost_curve(model, speech, ids, sizes, repeats=20, **attach), len(ids)
 
 
-def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
+def load_model(checkpoint):
+    """(model, echospec TTS meta or None) of a checkpoint folder — an echospec TTS checkpoint or any Hugging Face
+    causal LM — or of an already loaded model."""
+    from ..corpus.tts_prompt import META_FILE, load_sample_tts
+
+    if not isinstance(checkpoint, (str, Path)):
+        return checkpoint, None
+    if (Path(checkpoint) / META_FILE).exists():
+        return load_sample_tts(checkpoint)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa")
+    except (OSError, ValueError) as e:
+        raise BenchError(f"{checkpoint}: not a Hugging Face causal LM checkpoint ({str(e).splitlines()[0]})") from None
+    return model.eval(), None
+
+
+def speech_vocab(meta: TTSMeta | None, datastore, model, speech_offset=None, vocab_size=None, stop_ids=()):
+    """The model's speech ids: the options given, else an echospec checkpoint's, else the store's (its stop
+    ids, else the model's eos); the codebook layout is the store's."""
+    from ...decoder import SpeechVocab
+
+    if meta is not None and speech_offset is None and vocab_size is None and not stop_ids:
+        return SpeechVocab(meta.speech_offset, meta.speech_vocab_size, (meta.stop_id,))
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    stops = tuple(stop_ids) or datastore.stop_ids or eos
+    if not stops:
+        raise BenchError("no stop id: give --stop-id (the build's), or build the store with it")
+    return SpeechVocab(datastore.speech_offset if speech_offset is None else int(speech_offset),
+                       datastore.vocab_size if vocab_size is None else int(vocab_size), stops, datastore.codebooks)
+
+
+def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None = None, vocab_size: int | None = None,
+          stop_ids=(), head=None, speech_embedding=None, sampler=None, token_rate: float | None = None,
+          tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
           max_nodes: int | str = 16, max_depth: int = 8, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
           limit: int | None = None,
           max_new_tokens: int = 400, threads: int = 1, seed: int = 0, tau: int | None = None, beta: float = 0.2,
           similarity: float = 0.3, out_dir=None, progress: bool = True) -> dict:
-    """Decode `prompts_path` with every system; return (and write to `out_dir`) the report as a dict."""
+    """Decode `prompts` with every system; return (and write to `out_dir`) the report as a dict.
+
+    `checkpoint`: an echospec TTS checkpoint folder, any Hugging Face causal LM folder, or (from Python) a
+    loaded model — with `head` and `speech_embedding` for a model with its own speech head and table, as
+    `generate` takes them (CosyVoice: `llm.llm.model`, head=llm.llm_decoder, speech_embedding=llm.speech_embedding).
+    Speech ids: `speech` (a SpeechVocab, e.g. a preset's), else `speech_offset`, `vocab_size`, `stop_ids`
+    (the build's names), else the checkpoint's or the store's. `prompts`: see `load_prompts`. `sampler`
+    (default RAS) is what the sampling policies and their baseline sample with; `token_rate` (speech tokens
+    a second, default the checkpoint's or 25) scales the LM real-time factor. Hugging Face `generate` is the
+    greedy baseline where it can run the model (no head, ids prompts); else echospec's own autoregressive loop.
+    """
     import torch
     from tqdm import tqdm
 
-    from ...decoder import SpeechVocab
-    from ...decoder.scoring import mean_log_likelihood
     from ...decoder.cost import node_cap
+    from ...decoder.scoring import mean_log_likelihood
     from ...retriever import Retriever
     from ..corpus.speech_tokenizer import SpeechTokenizer
-    from ..corpus.tts_prompt import META_FILE, load_sample_tts
 
     unknown = set(sweep_policies) - set(policies)
     if unknown:
         raise BenchError(f"sweep policies {', '.join(sorted(unknown))} are not among the benchmarked policies")
     torch.set_num_threads(threads)
-    if not (Path(checkpoint) / META_FILE).exists():
-        raise BenchError(f"{checkpoint} has no {META_FILE}: echospec bench needs an echospec TTS checkpoint")
-    model, meta = load_sample_tts(checkpoint)
-    speech = SpeechVocab(meta.speech_offset, meta.speech_vocab_size, (meta.stop_id,))
-    prompts = load_prompts(prompts_path, meta, limit)
+    source = prompts
+    model, meta = load_model(checkpoint)
     retriever = Retriever(store)
+    speech = speech or speech_vocab(meta, retriever.datastore, model, speech_offset, vocab_size, stop_ids)
+    prompts = load_prompts(prompts, meta, limit)
+    attach = {"head": head, "speech_embedding": speech_embedding}
+    hf_baselines = head is None and speech_embedding is None and all(p.input_ids is not None for p in prompts)
     mel = SpeechTokenizer.load(tokenizer).tokens_to_logmel if tokenizer else None
     relaxed = RelaxedSettings.for_vocabulary(speech.size, tau, beta, similarity)
     systems = _systems(model, retriever, speech, list(policies), list(stores), sweep_nodes, sweep_depths,
-                       list(sweep_policies), max_nodes, max_depth, max_new_tokens, relaxed)
+                       list(sweep_policies), max_nodes, max_depth, max_new_tokens, relaxed, hf_baselines, sampler,
+                       attach)
 
     warm_up(systems, prompts[0], seed)
-    curve, curve_context = verify_cost_curve(model, speech, prompts, max(node_cap(n) for n in [max_nodes, *sweep_nodes]))
+    curve, curve_context = verify_cost_curve(model, speech, prompts, max(node_cap(n) for n in [max_nodes, *sweep_nodes]),
+                                             **attach)
     rows = {s.name: [] for s in systems}
     for i, prompt in enumerate(tqdm(prompts, desc="bench", unit="utt", disable=not progress)):
+        scored_prompt = {k: v for k, v in prompt.inputs().items() if k != "prompt_speech"}
         for system in rotated(systems, i):
             run = system.run(prompt, seed + i)
             system.accepted.extend(run.accepted)
@@ -165,15 +251,19 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
                 # the prefill, then each step's forward in one-token-step units of this machine's curve
                 "forward_cost": (None if run.tree_sizes is None
                                  else 1 + float(np.sum(curve.time(run.tree_sizes))) / curve.seconds[0]),
-                "log_likelihood": mean_log_likelihood(model, prompt.input_ids, run.tokens),
+                "log_likelihood": mean_log_likelihood(model, run.tokens, **scored_prompt, **attach),
                 "mel_distortion": (dtw_distance(mel(speech_tokens), mel(prompt.reference))
                                    if mel is not None and prompt.reference and speech_tokens else None),
             })
-    report = summarise(systems, rows, token_rate=meta.frame_rate)
+    rate = meta.frame_rate if meta is not None and token_rate is None else (token_rate or 25.0)
+    report = summarise(systems, rows, token_rate=rate)
     report["machine"] = {"threads": threads, "torch": torch.__version__, "cpus": os.cpu_count()}
     report["verify_cost_curve"] = curve.to_dict() | {"context_tokens": curve_context}
-    report["setup"] = {"checkpoint": str(checkpoint), "store": str(store), "prompts": str(prompts_path),
+    report["setup"] = {"checkpoint": str(checkpoint) if isinstance(checkpoint, (str, Path)) else type(model).__name__,
+                       "store": str(store), "prompts": str(source) if isinstance(source, (str, Path)) else "python",
                        "utterances": len(prompts), "max_nodes": max_nodes, "max_depth": max_depth, "seed": seed,
+                       "speech": {"offset": speech.offset, "size": speech.size, "stop_ids": list(speech.stop_ids),
+                                  "codebooks": speech.codebooks},
                        "relaxed": asdict(relaxed)}
     if out_dir is not None:
         write_report(report, systems, Path(out_dir))

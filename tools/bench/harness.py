@@ -35,10 +35,21 @@ class BenchError(ValueError):
 
 @dataclass(frozen=True)
 class Prompt:
+    """One prompt: model ids, or embeddings (a tensor [1, T, H] or [T, H]) with the store-local ids of their
+    speech (the retriever's context, which embeddings cannot give)."""
+
     id: str
     speaker: str | None
-    input_ids: list[int]
+    input_ids: list[int] | None
     reference: list[int] | None = None
+    inputs_embeds: object = None
+    prompt_speech: list[int] | None = None
+
+    def inputs(self) -> dict:
+        """The prompt as keyword arguments of echospec's `generate`."""
+        if self.input_ids is not None:
+            return {"input_ids": self.input_ids}
+        return {"inputs_embeds": self.inputs_embeds, "prompt_speech": self.prompt_speech}
 
 
 @dataclass(frozen=True)
@@ -114,8 +125,8 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
     from ...decoder import generate
 
     def run(prompt: Prompt, seed: int) -> Run:
-        result = generate(model, retriever, policy=policy(seed), input_ids=prompt.input_ids, speech=speech,
-                          speaker=prompt.speaker if speaker else None, **generate_options)
+        result = generate(model, retriever, policy=policy(seed), speech=speech,
+                          speaker=prompt.speaker if speaker else None, **prompt.inputs(), **generate_options)
         stats = result.stats
         return Run(result.tokens, stats.target_forwards, stats.wall_seconds, stats.accepted_lengths,
                    stats.node_budgets)
@@ -133,30 +144,34 @@ class RelaxedSettings:
         return cls(tau or max(1, round(PAPER_TAU_SHARE * size)), beta, similarity)
 
 
-def make_policy(name: str, seed: int, relaxed: RelaxedSettings):
-    """The policy called `name` (one of POLICIES), sampling with RAS from `seed` where it samples."""
+def make_policy(name: str, seed: int, relaxed: RelaxedSettings, sampler=None):
+    """The policy called `name` (one of POLICIES), sampling with `sampler` (default RAS) from `seed` where it
+    samples."""
     from ...decoder import RAS, ExactGreedy, ExactSampling, Filtered, SimilarityGroups, Tolerance
 
+    sampler = sampler or RAS()
     factories = {
         "exact-greedy": lambda: ExactGreedy(),
-        "exact-sampling": lambda: ExactSampling(RAS(), seed=seed),
-        "filtered": lambda: Filtered(tau=relaxed.tau, sampler=RAS(), seed=seed),
-        "tolerance": lambda: Tolerance(beta=relaxed.beta, sampler=RAS(), seed=seed),
-        "similarity": lambda: SimilarityGroups(threshold=relaxed.similarity, sampler=RAS(), seed=seed),
+        "exact-sampling": lambda: ExactSampling(sampler, seed=seed),
+        "filtered": lambda: Filtered(tau=relaxed.tau, sampler=sampler, seed=seed),
+        "tolerance": lambda: Tolerance(beta=relaxed.beta, sampler=sampler, seed=seed),
+        "similarity": lambda: SimilarityGroups(threshold=relaxed.similarity, sampler=sampler, seed=seed),
     }
     if name not in factories:
         raise BenchError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     return factories[name]()
 
 
-def measure_cost_curve(model, speech, input_ids: list[int], sizes=None, repeats: int = 5):
-    """This machine's forward time against tree size for `model` after the prompt `input_ids`, relative to a
-    one-token step (a CostCurve); sizes default to the decoder's CURVE_SIZES."""
+def measure_cost_curve(model, speech, input_ids: list[int] | None, sizes=None, repeats: int = 5, *,
+                       inputs_embeds=None, **session_options):
+    """This machine's forward time against tree size for `model` after the prompt (`input_ids` or
+    `inputs_embeds`), relative to a one-token step (a CostCurve); sizes default to the decoder's CURVE_SIZES.
+    `session_options` (head, speech_embedding) go to the SpeculativeSession."""
     from ...decoder import ExactGreedy, SpeculativeSession
     from ...decoder.cost import CURVE_SIZES
 
-    session = SpeculativeSession(model, None, ExactGreedy(), speech=speech, max_new_tokens=1)
-    session.prefill(input_ids=input_ids)
+    session = SpeculativeSession(model, None, ExactGreedy(), speech=speech, max_new_tokens=1, **session_options)
+    session.prefill(input_ids=input_ids, inputs_embeds=inputs_embeds)
     return session.measure_cost_curve(CURVE_SIZES if sizes is None else sizes, repeats=repeats)
 
 

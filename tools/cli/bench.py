@@ -20,7 +20,14 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.option("--store", required=True, type=click.Path(exists=True, file_okay=False), help="Datastore directory.")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="JSONL: input_ids, or text + speaker for an echospec TTS checkpoint; reference_tokens optional.")
+              help="JSONL: input_ids (or inputs_embeds: a .pt/.npy file, with prompt_speech), or text + speaker for "
+                   "an echospec TTS checkpoint; speaker and reference_tokens optional.")
+@click.option("--speech-offset", type=int, help="Model id of speech id 0 (as for build; default: the store's).")
+@click.option("--vocab-size", type=int, help="Number of speech ids (as for build; default: the store's).")
+@click.option("--stop-id", "stop_ids", multiple=True, type=int,
+              help="Model id that ends speech (repeatable; default: the store's, else the model's eos).")
+@click.option("--token-rate", type=click.FloatRange(min=0, min_open=True),
+              help="Speech tokens per second of audio, for the LM real-time factor [the checkpoint's, else 25].")
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), help="tokenizer.npz for log-mel distortion.")
 @click.option("--policy", "policies", multiple=True, type=click.Choice(POLICIES), help="Policies (default: all).")
 @click.option("--stores", default="speaker,general", show_default=True, help="Which stores: speaker, general.")
@@ -41,13 +48,18 @@ def _ints(text: str) -> tuple[int, ...]:
 @out_option("runs/bench")
 @needs_extra("bench")
 @fail_cleanly
-def bench_command(checkpoint, store, prompts, tokenizer, policies, stores, nodes, depth, sweep_nodes, sweep_depths,
-                  sweep_policies, limit, max_new_tokens, threads, seed, tau, beta, similarity, out_dir):
-    """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT.
+def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_ids, token_rate, tokenizer, policies,
+                  stores, nodes, depth, sweep_nodes, sweep_depths, sweep_policies, limit, max_new_tokens, threads, seed,
+                  tau, beta, similarity, out_dir):
+    """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT: an echospec TTS
+    checkpoint or any Hugging Face causal LM folder (a model with its own speech head: the Python API,
+    echospec.tools.bench.bench(..., head=...)).
 
     \b
     echospec bench tools/sample/model --store runs/demo/store --prompts tools/sample/prompts.jsonl \\
         --tokenizer tools/sample/tokenizer.npz --limit 20 --sweep-nodes 8,32
+    echospec bench ./Llasa-1B --store llasa --prompts prompts.jsonl \\
+        --speech-offset 128264 --vocab-size 65536 --stop-id 128261
     """
     from ..bench import bench, format_table
 
@@ -56,7 +68,8 @@ def bench_command(checkpoint, store, prompts, tokenizer, policies, stores, nodes
         raise click.BadParameter("use speaker and/or general", param_hint="--stores")
     if nodes != "auto" and not nodes.isdigit():
         raise click.BadParameter("an integer or 'auto'", param_hint="--nodes")
-    report = bench(checkpoint, store, prompts, tokenizer=tokenizer, policies=policies or POLICIES, stores=stores,
+    report = bench(checkpoint, store, prompts, speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
+                   token_rate=token_rate, tokenizer=tokenizer, policies=policies or POLICIES, stores=stores,
                    max_nodes=nodes if nodes == "auto" else int(nodes), max_depth=depth,
                    sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,),
                    sweep_policies=sweep_policies, limit=limit,

@@ -35,20 +35,24 @@ from .errors import fail_cleanly
 @click.option("--vocab-size", type=int, help="Number of speech ids (CosyVoice 2: 6561); default: largest id + 1.")
 @click.option("--stop-id", "stop_ids", multiple=True, type=int,
               help="Raw id that ends speech (repeatable); never stored (CosyVoice 2: 6561 6562 6563).")
+@click.option("--drop-id", "drop_ids", multiple=True, type=int,
+              help="Raw marker id removed wherever it occurs (repeatable; LLaSA: 128260).")
+@click.option("--codebooks", default=1, show_default=True, type=click.IntRange(1),
+              help="Interleaved codebooks in the speech ids, cycling in order (Orpheus: 7).")
 @click.option("--n-min", default=None, type=int, help="Shortest context suffix matched [1].")
 @click.option("--n-max", default=None, type=int, help="Longest context suffix matched [8].")
 @click.option("--force", is_flag=True, help="Replace STORE if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @fail_cleanly
 def build(corpus, store, per_speaker, faiss, embeddings, faiss_dim, faiss_max_vectors, speech_offset, vocab_size,
-          stop_ids, n_min, n_max, force, quiet):
+          stop_ids, drop_ids, codebooks, n_min, n_max, force, quiet):
     """Build datastore STORE from CORPUS files (.jsonl, a .jsonl manifest of .npy files, or .npz)."""
     from ...datastore import N_MAX, N_MIN
     started = time.perf_counter()
     ds = build_datastore(list(corpus), store, per_speaker=per_speaker, faiss=faiss, embeddings=embeddings,
                          speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
-                         n_min=N_MIN if n_min is None else n_min, n_max=N_MAX if n_max is None else n_max,
-                         force=force, progress=not quiet,
+                         drop_ids=drop_ids, codebooks=codebooks, n_min=N_MIN if n_min is None else n_min,
+                         n_max=N_MAX if n_max is None else n_max, force=force, progress=not quiet,
                          faiss_options={k: v for k, v in (("dim", faiss_dim), ("max_vectors", faiss_max_vectors))
                                         if v is not None})
     info = ds.info()
@@ -85,8 +89,10 @@ def info(store, as_json, verify):
         return
     vocab = data["vocabulary"]
     click.echo(f"datastore {data['path']} (format {data['format_version']}, updated {data['updated_at']})")
-    click.echo(f"  vocabulary  {vocab['size']} speech ids from raw id {vocab['speech_offset']}, "
-               f"stop ids {vocab['stop_ids'] or 'none'}, stored as {vocab['dtype']}")
+    click.echo(f"  vocabulary  {vocab['size']} speech ids from raw id {vocab['speech_offset']}"
+               + (f" in {vocab['codebooks']} interleaved codebooks" if vocab["codebooks"] > 1 else "")
+               + f", stop ids {vocab['stop_ids'] or 'none'}"
+               + (f", dropped ids {vocab['drop_ids']}" if vocab["drop_ids"] else "") + f", stored as {vocab['dtype']}")
     click.echo(f"  contexts    n = {data['n_min']}..{data['n_max']}")
     click.echo(f"  corpus      {data['utterances']} utterances, {data['tokens']} tokens, "
                f"{len(data['speakers'])} speakers")
