@@ -9,12 +9,12 @@ from .generate import HF_CUSTOM_GENERATE_DIR, GenerationResult, generate, hf_gen
 from .policies import ExactGreedy, ExactSampling, Filtered, Policy, SimilarityGroups, Tolerance, VerifiedTree
 from .sampling import RAS, NodeState, Sampler
 from .session import GenerationStats, SpeculativeSession, check_model
-from .vocab import SpeechVocab, length_limits
+from .vocab import SpeechVocab
 
 __all__ = [
     "generate", "stream", "hf_generate", "HF_CUSTOM_GENERATE_DIR", "GenerationResult", "GenerationStats",
     "SpeculativeSession", "check_model",
     "Policy", "ExactGreedy", "ExactSampling", "Filtered", "Tolerance", "SimilarityGroups", "VerifiedTree",
-    "Sampler", "RAS", "NodeState", "SpeechVocab", "length_limits", "CostCurve", "NodeBudget", "AutoBudget", "FixedBudget",
+    "Sampler", "RAS", "NodeState", "SpeechVocab", "CostCurve", "NodeBudget", "AutoBudget", "FixedBudget",
     "DecoderInputError", "UnsupportedModelError",
 ]

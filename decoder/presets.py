@@ -109,8 +109,8 @@ def _cosyvoice_prompt(preset: Preset, llm, text: Sequence[int], prompt_text: Seq
     version3 = len(preset.speech.stop_ids) > 3
     if version3 and 151646 not in [*prompt_text, *text]:
         raise DecoderInputError("CosyVoice 3 needs <|endofprompt|> (151646) in the text or the prompt text")
-    parameter = next(llm.parameters())
-    ids = lambda values: torch.tensor([[int(t) for t in values]], dtype=torch.long, device=parameter.device)  # noqa: E731
+    device = llm.speech_embedding.weight.device
+    ids = lambda values: torch.tensor([[int(t) for t in values]], dtype=torch.long, device=device)  # noqa: E731
     with torch.no_grad():
         rows = llm.speech_embedding.weight if version3 else llm.llm_embedding.weight
         sos, task = (rows[size][None, None], rows[size + 2][None, None]) if version3 else (

@@ -49,10 +49,3 @@ class SpeechVocab:
         if bad:
             raise DecoderInputError(f"speech ids {bad[:5]} are outside the store's vocabulary 0..{self.size - 1}")
         return [t + self.offset for t in ids]
-
-
-def length_limits(text_length: int, min_ratio: float = 2.0, max_ratio: float = 20.0) -> tuple[int, int]:
-    """(min_new_tokens, max_new_tokens) by CosyVoice 2's rule: between 2x and 20x the text length in tokens."""
-    if text_length <= 0:
-        raise DecoderInputError(f"text_length must be positive, got {text_length}")
-    return int(text_length * min_ratio), int(text_length * max_ratio)
