@@ -122,11 +122,12 @@ class Retriever:
             ctx=ctx, general=self._general, speaker=speaker_store, use_speaker=speaker is not None,
             use_prompt=self.prompt_lookup, n_min=self.n_min, n_max=self.n_max, prompt_n_min=self.prompt_n_min,
             min_support=self.min_support, cap=self.cap, window=self.prompt_window, max_depth=max_depth,
-            extra_rows=0 if faiss is None else self.faiss_k)
+            extra_rows=0 if faiss is None else self.faiss_k, vocab_size=self.vocab_size)
         if stats[kernels.FAISS, kernels.FIRST_ROW] == kernels.DAMAGED:
             damaged = store if stats[kernels.SPEAKER, kernels.ROWS] == kernels.DAMAGED else self.datastore.general
-            raise DamagedStoreError(f"{damaged.directory}: store is damaged (a suffix-array or first-token entry "
-                                    f"is out of range); run `echospec info --verify {self.datastore.root}`")
+            raise DamagedStoreError(f"{damaged.directory}: store is damaged (an entry of its suffix array, "
+                                    f"first-token table or token stream is out of range); "
+                                    f"run `echospec info --verify {self.datastore.root}`")
         exact_match = max(stats[kernels.SPEAKER, kernels.MATCH], stats[kernels.GENERAL, kernels.MATCH])
         if faiss is not None and exact_match < self.faiss_below:
             rows = kernels.gather_positions(tokens=self._general[0], positions=faiss.search(ctx, self.faiss_k),

@@ -187,3 +187,25 @@ def test_damaged_safetensors_reads_no_more_than_the_file_holds(tmp_path, header,
     path = write_safetensors_header(tmp_path / "emb.safetensors", header, declared, data)
     with pytest.raises(DatastoreError, match=re.escape(message)):
         load_embeddings(path, 64)
+
+
+def test_out_of_vocabulary_ids_in_a_token_stream_are_refused(store):
+    """A damaged stream id would reach the verifier, which indexes its embedding table with it."""
+    root, utterances = store
+    retriever = Retriever(root, use_faiss=False, prompt_lookup=False)  # maps the files: it sees the damage
+    tokens = np.load(root / "general" / "tokens.npy", mmap_mode="r+")
+    sentinel = np.iinfo(tokens.dtype).max
+    inside = np.flatnonzero(tokens != sentinel)
+    tokens[inside[::50]] = 1000  # above vocab 64, below the sentinel
+    tokens.flush()
+    del tokens
+    refused = 0
+    for context in contexts(utterances):
+        try:
+            tree = retriever.propose(context)
+        except DamagedStoreError as e:
+            assert "token stream is out of range" in str(e)
+            refused += 1
+            continue
+        assert tree.tokens.max(initial=0) < 64
+    assert refused
