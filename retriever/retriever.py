@@ -11,7 +11,7 @@ merged trie keeps the `max_nodes` most probable nodes up to `max_depth`.
 
 Defaults, chosen by oracle acceptance (tokens per step = accepted + 1) on 60 held-out utterances of a
 1M-token speech-like corpus, each replayed behind a 6 s same-speaker prompt; every figure changes one
-setting from the defaults, which score 2.635 (`python -m echospec.tools.retriever_defaults`):
+setting from the defaults, which score 2.635 (`python -m echospec.tools.benchmarks.retriever_defaults`):
   min_support 32   1 (longest match only, as SuffixDecoding): 2.456; 8: 2.599; 16: 2.632;
                    64: 2.628 — speech tokens are noisy, so a longer context seen once predicts
                    worse than a shorter one seen often.
@@ -29,7 +29,7 @@ setting from the defaults, which score 2.635 (`python -m echospec.tools.retrieve
                    search), so by default it answers only contexts whose last token no exact
                    store has seen — the contexts exact matching cannot serve at all.
   max_depth 8      6: 2.622; 12: 2.630.
-Indicative only: one synthetic corpus; the benchmark (tools/bench_retriever.py) compares peers.
+Indicative only: one synthetic corpus; the benchmark (echospec.tools.benchmarks.bench_retriever) compares peers.
 """
 
 from __future__ import annotations
