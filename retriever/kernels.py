@@ -135,13 +135,14 @@ def copy_continuation(stream, start, stop_at, out, row):
 
 
 @njit(cache=True, nogil=True)
-def gather_store(tokens, sa, first, ctx, n_min, n_max, min_support, cap, out, row0):
+def gather_store(tokens, sa, first, ctx, n_min, n_max, min_support, cap, out, row0, vocab_size):
     """Continuations of the longest context suffix (n_min..n_max) with at least `min_support`
     occurrences (the longest match when none has that many). With more than `cap` occurrences, the
     `cap` taken are a contiguous block of the suffix array centred where the next longer suffix
     sits: the occurrences whose further-left context is closest to this one's, read from
     consecutive memory. Returns (rows written, match length, occurrences); rows is DAMAGED when the
-    store's files hold an out-of-range entry."""
+    store's files hold an out-of-range entry (an id >= vocab_size in a continuation included: a
+    verifier would index its embedding table with it)."""
     los = np.empty(n_max + 2, np.int64)
     his = np.empty(n_max + 2, np.int64)
     k = match(tokens, sa, first, ctx, n_max, los, his)
@@ -166,7 +167,10 @@ def gather_store(tokens, sa, first, ctx, n_min, n_max, min_support, cap, out, ro
         p = sa[start + j]
         if p < 0 or p >= n:
             return DAMAGED, 0, 0
-        copy_continuation(tokens, p + 1, sentinel, out, row0 + j)
+        # stop at any id outside the vocabulary: only the sentinel may be one
+        t = copy_continuation(tokens, p + 1, vocab_size, out, row0 + j)
+        if t < out.shape[1] and p + 1 + t < n and tokens[p + 1 + t] != sentinel:
+            return DAMAGED, 0, 0
     return m, d, count
 
 
@@ -354,7 +358,7 @@ def record(stats, source, first_row, rows, match_length, occurrences):
 
 @njit(cache=True, nogil=True)
 def gather_exact(ctx, general, speaker, use_speaker, use_prompt, n_min, n_max, prompt_n_min, min_support, cap,
-                 window, max_depth, extra_rows):
+                 window, max_depth, extra_rows, vocab_size):
     """Continuation rows of the prompt, the speaker store and the general store.
 
     `general` and `speaker` are (tokens, sa, first) triples. Returns `conts`, a [rows, max_depth] table
@@ -370,13 +374,15 @@ def gather_exact(ctx, general, speaker, use_speaker, use_prompt, n_min, n_max, p
         record(stats, PROMPT, row, m, k, m)
         row += m
     if use_speaker:
-        m, k, occ = gather_store(speaker[0], speaker[1], speaker[2], ctx, n_min, n_max, min_support, cap, conts, row)
+        m, k, occ = gather_store(speaker[0], speaker[1], speaker[2], ctx, n_min, n_max, min_support, cap, conts, row,
+                                 vocab_size)
         record(stats, SPEAKER, row, m, k, occ)
         if m == DAMAGED:
             stats[FAISS, FIRST_ROW] = DAMAGED
             return conts, stats
         row += m
-    m, k, occ = gather_store(general[0], general[1], general[2], ctx, n_min, n_max, min_support, cap, conts, row)
+    m, k, occ = gather_store(general[0], general[1], general[2], ctx, n_min, n_max, min_support, cap, conts, row,
+                             vocab_size)
     record(stats, GENERAL, row, m, k, occ)
     stats[FAISS, FIRST_ROW] = DAMAGED if m == DAMAGED else row + m
     return conts, stats

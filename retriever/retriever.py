@@ -15,7 +15,7 @@ contexts ending in the context's own codebook, so no source proposes an id impos
 
 Defaults, chosen by oracle acceptance (tokens per step = accepted + 1) on 60 held-out utterances of a
 1M-token speech-like corpus, each replayed behind a 6 s same-speaker prompt; every figure changes one
-setting from the defaults, which score 2.635 (`python -m echospec.tools.retriever_defaults`):
+setting from the defaults, which score 2.635 (`python -m echospec.tools.benchmarks.retriever_defaults`):
   min_support 32   1 (longest match only, as SuffixDecoding): 2.456; 8: 2.599; 16: 2.632;
                    64: 2.628 — speech tokens are noisy, so a longer context seen once predicts
                    worse than a shorter one seen often.
@@ -33,7 +33,7 @@ setting from the defaults, which score 2.635 (`python -m echospec.tools.retrieve
                    search), so by default it answers only contexts whose last token no exact
                    store has seen — the contexts exact matching cannot serve at all.
   max_depth 8      6: 2.622; 12: 2.630.
-Indicative only: one synthetic corpus; the benchmark (tools/bench_retriever.py) compares peers.
+Indicative only: one synthetic corpus; the benchmark (echospec.tools.benchmarks.bench_retriever) compares peers.
 """
 
 from __future__ import annotations
@@ -137,11 +137,12 @@ class Retriever:
             ctx=ctx, general=self._general, speaker=speaker_store, use_speaker=speaker is not None,
             use_prompt=self.prompt_lookup, n_min=self.n_min, n_max=self.n_max, prompt_n_min=self.prompt_n_min,
             min_support=self.min_support, cap=self.cap, window=self.prompt_window, max_depth=max_depth,
-            extra_rows=0 if faiss is None else self.faiss_k)
+            extra_rows=0 if faiss is None else self.faiss_k, vocab_size=self.vocab_size)
         if stats[kernels.FAISS, kernels.FIRST_ROW] == kernels.DAMAGED:
             damaged = store if stats[kernels.SPEAKER, kernels.ROWS] == kernels.DAMAGED else self.datastore.general
-            raise DamagedStoreError(f"{damaged.directory}: store is damaged (a suffix-array or first-token entry "
-                                    f"is out of range); run `echospec info --verify {self.datastore.root}`")
+            raise DamagedStoreError(f"{damaged.directory}: store is damaged (an entry of its suffix array, "
+                                    f"first-token table or token stream is out of range); "
+                                    f"run `echospec info --verify {self.datastore.root}`")
         exact_match = max(stats[kernels.SPEAKER, kernels.MATCH], stats[kernels.GENERAL, kernels.MATCH])
         if faiss is not None and exact_match < self.faiss_below:
             rows = kernels.gather_positions(tokens=self._general[0], positions=self._neighbours(ctx),

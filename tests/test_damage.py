@@ -187,3 +187,51 @@ def test_damaged_safetensors_reads_no_more_than_the_file_holds(tmp_path, header,
     path = write_safetensors_header(tmp_path / "emb.safetensors", header, declared, data)
     with pytest.raises(DatastoreError, match=re.escape(message)):
         load_embeddings(path, 64)
+
+
+def test_out_of_vocabulary_ids_in_a_token_stream_are_refused(store):
+    """A damaged stream id would reach the verifier, which indexes its embedding table with it."""
+    root, utterances = store
+    retriever = Retriever(root, use_faiss=False, prompt_lookup=False)  # maps the files: it sees the damage
+    tokens = np.load(root / "general" / "tokens.npy", mmap_mode="r+")
+    sentinel = np.iinfo(tokens.dtype).max
+    inside = np.flatnonzero(tokens != sentinel)
+    tokens[inside[::50]] = 1000  # above vocab 64, below the sentinel
+    tokens.flush()
+    del tokens
+    refused = 0
+    for context in contexts(utterances):
+        try:
+            tree = retriever.propose(context)
+        except DamagedStoreError as e:
+            assert "token stream is out of range" in str(e)
+            refused += 1
+            continue
+        assert tree.tokens.max(initial=0) < 64
+    assert refused
+
+
+# --- a service with several datastores, one damaged while served ------------------------------------------
+
+
+def test_serve_keeps_answering_for_the_healthy_datastore(tmp_path):
+    """`echospec serve good=... bad=...`: once bad's general suffix array is overwritten (in place, so the
+    service's maps see it), bad's proposals are refused with a 503 and good's keep their answers; the
+    process stays up. On the old kernels it died with SIGSEGV."""
+    from service_testing import Server, copy_store, make_store, post_json
+
+    built, corpus = make_store(tmp_path / "built", n_tokens=5000, n_speakers=2)
+    good, bad = copy_store(built, tmp_path / "good"), copy_store(built, tmp_path / "bad")
+    contexts = [u["tokens"][:end] for u in corpus[:20] for end in (5, 12, 30)]
+    expected = [Retriever(good).propose(c).to_dict() for c in contexts]
+    with Server(f"good={good}", f"bad={bad}") as server:
+        overwrite(bad / "general" / "sa.npy", 97, 2**31 - 5)
+        statuses = set()
+        for context, tree in zip(contexts, expected):
+            status, answer = post_json(server.url, "/v1/stores/bad/propose", {"context": context})
+            statuses.add(status)
+            assert status == 200 or (status, answer["error"]["code"]) == (503, "store_damaged"), answer
+            status, answer = post_json(server.url, "/v1/stores/good/propose", {"context": context})
+            assert status == 200 and answer == {"tree": tree}
+        assert 503 in statuses and server.process.poll() is None
+        assert "Traceback" not in server.output()

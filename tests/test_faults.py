@@ -84,3 +84,120 @@ def test_enrollment_killed_after_each_step_leaves_old_or_new(tmp_path, point, re
     assert len(list((store / "speakers").iterdir())) == 4  # s0, s1, ann, bob
     assert not list(store.glob(".enroll-*"))
     open_datastore(store, verify=True)
+
+
+# --- bytes flipped in every store file ---------------------------------------------------------------------
+
+FLIP_CHILD = r'''
+"""Flip bytes at the given offsets of each file, one trial at a time, and run every reader on the damaged
+store; print what happened as JSON. Run in a child so that a crash (a signal) is seen by the test."""
+import json, os, sys, traceback
+from pathlib import Path
+
+import numpy as np
+from click.testing import CliRunner
+from echospec.datastore import DatastoreError, faiss_store, open_datastore
+from echospec.retriever import Retriever
+from echospec.tools.cli import main
+
+plan = json.loads(Path(sys.argv[1]).read_text())
+root, vocab = Path(plan["root"]), plan["vocab"]
+contexts = [np.array(c) for c in plan["contexts"]]
+report = {"trials": 0, "failures": [], "outcomes": {}}
+
+
+def propose_all():
+    retriever = Retriever(root)
+    for context in contexts:
+        for speaker in (None, "s0"):
+            tree = retriever.propose(context, speaker=speaker)
+            assert tree.tokens.max(initial=0) < vocab and np.all(tree.parents < np.arange(len(tree))), "bad tree"
+
+
+def cli(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    if result.exit_code == 0:
+        return
+    lines = result.output.strip().splitlines()
+    if not (result.exit_code == 1 and isinstance(result.exception, SystemExit) and len(lines) == 1
+            and lines[0].startswith("Error: ")):
+        raise AssertionError(f"not one clean line (exit {result.exit_code}): {result.output[-300:]!r} "
+                             f"{result.exception!r}")
+    raise DatastoreError(lines[0])
+
+
+TOOLS = {
+    "verify": lambda: open_datastore(root, verify=True),
+    "retriever": propose_all,
+    "info": lambda: cli("info", root),
+    "query": lambda: cli("query", root, "--context", " ".join(map(str, contexts[0])), "--speaker", "s0"),
+}
+
+for name, offsets in plan["files"].items():
+    path = root / name
+    original = path.read_bytes()
+    for offset, mask in offsets:
+        data = bytearray(original)
+        for i, m in enumerate(mask):
+            if offset + i < len(data):
+                data[offset + i] ^= m
+        tmp = path.with_name(path.name + ".flip")
+        tmp.write_bytes(bytes(data))
+        os.replace(tmp, path)  # a new inode: maps of earlier trials stay valid
+        faiss_store._OPEN.clear()
+        report["trials"] += 1
+        for tool, call in TOOLS.items():
+            try:
+                call()
+                outcome = "answered"
+            except DatastoreError:
+                outcome = "refused"
+            except Exception as e:
+                outcome = "failed"
+                report["failures"].append(f"{name}@{offset} {tool}: {type(e).__name__}: {e!s:.300} "
+                                          f"{traceback.format_exc(limit=-2)[-600:]}")
+            key = f"{name.split('/')[0]}/{Path(name).name} {tool} {outcome}"
+            report["outcomes"][key] = report["outcomes"].get(key, 0) + 1
+        tmp.write_bytes(original)
+        os.replace(tmp, path)
+print(json.dumps(report))
+'''
+
+
+def test_flipped_bytes_in_every_store_file_are_answered_or_refused_in_one_line(tmp_path):
+    """Every file of a store with per-speaker stores and an IVF FAISS index; offsets in each header and
+    sampled across the data; each trial runs open_datastore(verify=True), Retriever.propose (general and
+    speaker), `echospec info` and `echospec query`. Bounded: about 100 trials in one child process."""
+    rng = np.random.default_rng(12)
+    utterances = [{"id": f"u{i}", "speaker": f"s{i % 3}", "tokens": rng.integers(0, 64, 40).tolist()}
+                  for i in range(60)]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps(u) + "\n" for u in utterances))
+    store = tmp_path / "store"
+    ds = build(corpus, store, progress=False, faiss_options={"flat_max": 64, "dim": 4})  # IVF: more structure
+    assert ds.faiss_store().index.__class__.__name__.startswith("IndexIVF")
+    speaker = ds.speaker_store("s0").directory.relative_to(store).as_posix()
+    names = ["catalog.sqlite", "general/tokens.npy", "general/sa.npy", "general/first.npy",
+             f"{speaker}/tokens.npy", f"{speaker}/sa.npy", f"{speaker}/first.npy",
+             "faiss/index.faiss", "faiss/embeddings.npy"]
+    files = {}
+    for name in names:
+        size = (store / name).stat().st_size
+        header = 100 if name.endswith(".sqlite") else 128 if name.endswith(".npy") else 96
+        offsets = sorted(set(rng.integers(0, header, 4).tolist()) | set(rng.integers(header, size - 4, 8).tolist()))
+        files[name] = [(int(o), [0xFF] if i % 2 else rng.integers(1, 256, 4).tolist()) for i, o in enumerate(offsets)]
+    contexts = [u["tokens"][s:s + n] for u in utterances[:12] for s, n in ((0, 3), (10, 9))]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"root": str(store), "vocab": 64, "contexts": contexts, "files": files}))
+    child = subprocess.run([sys.executable, "-c", FLIP_CHILD, str(plan)], capture_output=True, text=True,
+                           timeout=300)
+    assert child.returncode == 0, f"the child died ({child.returncode}): {child.stderr[-3000:]}"
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    assert report["failures"] == [], "\n".join(report["failures"])
+    assert report["trials"] == sum(len(offsets) for offsets in files.values())
+    outcomes = report["outcomes"]
+    for name in names[1:]:  # every array and index flip changes a checksum that --verify checks
+        short = f"{name.split('/')[0]}/{name.rsplit('/', 1)[1]}"
+        assert outcomes.get(f"{short} verify answered", 0) == 0, (name, outcomes)
+    assert any(key.endswith("retriever refused") for key in outcomes)  # the readers do see damage
+    open_datastore(store, verify=True)  # every file restored

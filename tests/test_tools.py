@@ -27,6 +27,7 @@ def run_echospec(commands, missing=(), cwd=None):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
+@pytest.mark.slow  # imports torch, transformers, matplotlib and the web framework in a fresh interpreter
 def test_importing_any_tools_module_leaves_the_environment_alone():
     # transformers sets TORCHINDUCTOR_CACHE_DIR when its Llama model is imported: theirs, not ours, so first
     code = """

@@ -7,13 +7,14 @@ own protocol: slower, the same answers."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import httptools
 import uvicorn
 
 from .requests import BINARY_TYPE, length_within, media_type, route
-from .timeouts import ReadDeadline
+from .timeouts import ReadDeadline, limits_of
 
 WRITTEN_FOR = "0.54"
 """The uvicorn minor version whose httptools protocol internals (callbacks, cycle, flow control,
@@ -61,7 +62,8 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self.deadline = ReadDeadline(transport, self.loop, self.app.limits.read_timeout)
+        self.limits = limits_of(self.app)
+        self.deadline = ReadDeadline(transport, self.loop, self.limits.read_timeout)
 
     def connection_lost(self, exc) -> None:
         if self.deadline is not None:
@@ -111,10 +113,8 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
         if self.flow.write_paused:
             return None  # the client is not reading its answers: uvicorn's path waits, and stops reading
         url = httptools.parse_url(self.url)
-        if not url.path.isascii() or b"%" in url.path:
-            return None  # uvicorn's path decodes it
-        endpoint, match = route(url.path.decode("ascii"))
-        if endpoint != "propose":
+        store = proposed_store(url.path)
+        if store is None:
             return None
         content_type = length = None
         for name, value in self.headers:
@@ -125,9 +125,19 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
             elif name in (b"transfer-encoding", b"upgrade"):
                 return None
         if media_type(content_type) != BINARY_TYPE or length is None \
-                or not length_within(length, min(INLINE_BODY_LIMIT, self.app.limits.max_body_bytes)):
+                or not length_within(length, min(INLINE_BODY_LIMIT, self.limits.max_body_bytes)):
             return None  # uvicorn's path reads it with flow control, or refuses it (413)
-        return match.group(1), url.query or b"", time.perf_counter(), []
+        return store, url.query or b"", time.perf_counter(), []
+
+
+@functools.lru_cache(maxsize=4096)  # workers send the same few paths over and over
+def proposed_store(path: bytes) -> str | None:
+    """The store a raw request path proposes to (requests.route), or None for any other route; None too
+    for a path that needs decoding, which uvicorn's path does."""
+    if not path.isascii() or b"%" in path:
+        return None
+    endpoint, match = route(path.decode("ascii"))
+    return match.group(1) if endpoint == "propose" else None
 
 
 class _OneWriteCycle(RequestResponseCycle):

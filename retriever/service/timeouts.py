@@ -14,6 +14,8 @@ import logging
 
 import httptools
 
+from .requests import Limits
+
 log = logging.getLogger("echospec.service")
 
 
@@ -63,7 +65,7 @@ class StockHttpProtocol(asyncio.Protocol):
 
     def __init__(self, config, **kwargs):
         self.inner = stock_protocol_class()(config=config, **kwargs)  # loads the config: loaded_app is set
-        self.seconds = config.loaded_app.limits.read_timeout
+        self.seconds = limits_of(config.loaded_app).read_timeout
         self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
         self.deadline: ReadDeadline | None = None
 
@@ -100,6 +102,13 @@ class StockHttpProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.inner.resume_writing()
+
+
+def limits_of(app) -> Limits:
+    """The limits of the app a protocol serves: the Service's own, the defaults for any other app (or a
+    Service behind a middleware)."""
+    limits = getattr(app, "limits", None)
+    return limits if isinstance(limits, Limits) else Limits()
 
 
 @functools.cache

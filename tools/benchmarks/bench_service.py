@@ -207,7 +207,10 @@ class FloorApp:
     """The HTTP stack alone: what `serve` runs, with an app answering every request with the same bytes."""
 
     def __init__(self, answer: bytes):
+        from ...retriever.service import Limits
+
         self.answer = answer
+        self.limits = Limits()  # the service's defaults, which ServiceHttpProtocol reads from its app
 
     async def __call__(self, scope, receive, send):  # everything but inline proposals: GET /metrics here
         if scope["type"] != "http":
