@@ -94,6 +94,31 @@ def test_slow_clients_are_cut_off_within_the_read_timeout(server):
     assert post_json(server.url, "/v1/stores/voices/propose", {"context": [1, 2, 3]})[0] == 200
 
 
+def resident_mb(pid: int) -> float:
+    status = open(f"/proc/{pid}/status").read()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def test_an_endless_head_is_cut_off_at_the_head_limit(server):
+    """A header sent as fast as loopback takes it: closed once the head passes Limits.max_head_bytes
+    (64 kB) plus a read or two, long before the read timeout, where uvicorn alone would keep reading it
+    (~200 MB in 20 s here), and the service's memory does not grow with it."""
+    before = resident_mb(server.process.pid)
+    sent, started = 0, time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        try:
+            while sent < 256 << 20 and time.monotonic() - started < 10:
+                sent += sock.send(b"a" * (1 << 16))
+            assert sock.recv(65536) == b""
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+    elapsed = time.monotonic() - started
+    assert sent < 16 << 20 and elapsed < READ_TIMEOUT / 2, (sent, elapsed)  # ~3 MB (socket buffers), ~10 ms
+    assert resident_mb(server.process.pid) - before < 16
+    assert post_json(server.url, "/v1/stores/voices/propose", {"context": [1, 2, 3]})[0] == 200
+
+
 # ---------------------------------------------------------------------------------------------------
 # Fuzz
 

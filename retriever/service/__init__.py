@@ -25,6 +25,7 @@ One module per concern:
   app.py        `Service`, the ASGI app (propose on a plain ASGI path, the rest FastAPI), and `serve`
   fast_http.py  the fast HTTP path: uvicorn's httptools protocol answering each request in one write and
                 binary proposals inline; used only under the uvicorn version it was written for
+  read_guard.py slow or oversized requests: the read timeout and the head size limit, on either HTTP path
 
 Imports the datastore and the retriever; nothing else in the retriever imports this package, so a
 retriever-only install needs no web framework.

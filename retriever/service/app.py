@@ -35,7 +35,7 @@ from .requests import (BINARY_TYPE, BODY_TYPES, JSON_TYPE, EnrollRequest, Limits
                        Utterance, body_too_large, body_type, check_name, int64_ids, internal_error, length_within,
                        merge_options, parse_query, route, validation_error)
 from .stores import Snapshot, StoreHandle, parse_store_arg
-from .timeouts import StockHttpProtocol, stock_protocol_class
+from .read_guard import StockHttpProtocol, stock_protocol_class
 
 log = logging.getLogger("echospec.service")
 
@@ -387,7 +387,7 @@ def is_loopback(host: str) -> bool:
 
 def http_protocol():
     """fast_http's ServiceHttpProtocol when the installed uvicorn is the one it was written for, else
-    uvicorn's own protocol (with the read deadline): slower, the same answers."""
+    uvicorn's own protocol (with the read guard): slower, the same answers."""
     try:
         from .fast_http import ServiceHttpProtocol
     except ImportError as e:

@@ -14,7 +14,7 @@ import httptools
 import uvicorn
 
 from .requests import BINARY_TYPE, length_within, media_type, route
-from .timeouts import ReadDeadline, limits_of
+from .read_guard import ReadGuard, limits_of
 
 WRITTEN_FOR = "0.54"
 """The uvicorn minor version whose httptools protocol internals (callbacks, cycle, flow control,
@@ -54,27 +54,33 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
     Content-Length of at most INLINE_BODY_LIMIT, no Expect or Transfer-Encoding header, nothing else
     in flight on the connection, the client reading its answers) is answered by
     `Service.answer_binary_propose` when its body is in, head and body in one write. Everything else,
-    JSON proposals included, takes uvicorn's path. Either way a request must arrive within the
-    service's read timeout (`ReadDeadline`)."""
+    JSON proposals included, takes uvicorn's path. Either way a request must arrive in time and its head
+    within its size limit (`ReadGuard`)."""
 
     _inline: tuple[str, bytes, float, list[bytes]] | None = None  # (store, query, started, body parts)
-    deadline: ReadDeadline | None = None
+    guard: ReadGuard | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.limits = limits_of(self.app)
-        self.deadline = ReadDeadline(transport, self.loop, self.limits.read_timeout)
+        self.guard = ReadGuard(transport, self.loop, self.limits)
 
     def connection_lost(self, exc) -> None:
-        if self.deadline is not None:
-            self.deadline.cancel()
+        if self.guard is not None:
+            self.guard.cancel()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        heads = self.guard.heads
+        super().data_received(data)
+        self.guard.received(len(data), heads)
+
     def on_message_begin(self) -> None:
-        self.deadline.begin()
+        self.guard.begin()
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
+        self.guard.head_read()
         self._inline = self._inline_propose()
         if self._inline is None:
             super().on_headers_complete()
@@ -85,7 +91,7 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
         self._inline[3].append(body)
 
     def on_message_complete(self) -> None:
-        self.deadline.end()
+        self.guard.end()
         if self._inline is None:
             return super().on_message_complete()
         (store, query, started, parts), self._inline = self._inline, None

@@ -23,9 +23,10 @@ MAX_ID_LENGTH = 256
 
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for, and how long it may take to arrive; anything past a limit is a
-    413 or a 422, never a slow answer, and a request not in whole within `read_timeout` seconds of its
-    first byte (or of connecting) has its connection closed (timeouts.py)."""
+    """What one request may ask for, how long it may take to arrive and how large its head may be;
+    anything past a limit is a 413 or a 422, never a slow answer, and a request not in whole within
+    `read_timeout` seconds of its first byte (or of connecting), or with a head over `max_head_bytes`,
+    has its connection closed (read_guard.py)."""
 
     max_body_bytes: int = 8 << 20
     max_batch: int = 256  # contexts per propose request
@@ -34,6 +35,7 @@ class Limits:
     max_depth: int = 64
     max_utterances: int = 10_000  # per enrollment
     read_timeout: float = 30.0  # seconds
+    max_head_bytes: int = 64 << 10  # request line and headers
 
 
 class ServiceError(Exception):
