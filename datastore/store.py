@@ -84,7 +84,11 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
     segments, layout_breaks = [segs for segs, _ in split], sum(n for _, n in split)
     speakers = _group_by_speaker(utterances, segments) if per_speaker else {}
     for name in speakers:
-        check_name("speaker", name)
+        try:
+            check_name("speaker", name)
+        except DatastoreError as e:
+            raise CorpusError(f"{_corpus_name(corpus)}: {e}; rename the speaker in the corpus, or build with "
+                              f"per_speaker=False (--no-per-speaker)") from None
     _remove_abandoned_builds(target)
     tmp = target.parent / f".{target.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
