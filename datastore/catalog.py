@@ -5,6 +5,8 @@ Tables
               n_min, n_max, sort_depth, dtype, build parameters, created_at, updated_at
   stores      one row per store: name ("general", "speaker:<name>", "faiss"), kind, directory,
               utterances, segments, tokens, bytes, created_at, params (JSON)
+  shards      the general store's shards: store, shard (0..S-1), directory, utterances, segments, tokens,
+              bytes, sha256 (of its files' names and checksums), created_at
   speakers    name, store, utterances, tokens, enrolled_at
   utterances  id, speaker, tokens, source ("file:line"), extra (JSON: the corpus line's other fields)
   files       path (relative to the datastore), store, bytes, sha256
@@ -49,6 +51,8 @@ def create(root: Path, meta: dict) -> sqlite_utils.Database:
     db["stores"].create({"name": str, "kind": str, "directory": str, "speaker": str, "utterances": int,
                          "segments": int, "tokens": int, "bytes": int, "created_at": str, "params": str},
                         pk="name")
+    db["shards"].create({"store": str, "shard": int, "directory": str, "utterances": int, "segments": int,
+                         "tokens": int, "bytes": int, "sha256": str, "created_at": str}, pk=("store", "shard"))
     db["speakers"].create({"name": str, "store": str, "utterances": int, "tokens": int, "enrolled_at": str},
                           pk="name")
     db["utterances"].create({"id": str, "speaker": str, "tokens": int, "source": str, "extra": str})

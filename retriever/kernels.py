@@ -113,32 +113,114 @@ def copy_continuation(stream, start, stop_at, out, row):
 
 
 @njit(cache=True, nogil=True)
-def gather_store(tokens, sa, first, ctx, n_min, n_max, min_support, cap, out, row0):
+def gather_store(shards, ctx, n_min, n_max, min_support, cap, out, row0):
     """Continuations of the longest context suffix (n_min..n_max) with at least `min_support`
-    occurrences (the longest match when none has that many). With more than `cap` occurrences, the
-    `cap` taken are a contiguous block of the suffix array centred where the next longer suffix
-    sits: the occurrences whose further-left context is closest to this one's, read from
-    consecutive memory. Returns (rows written, match length, occurrences)."""
-    los = np.empty(n_max + 2, np.int64)
-    his = np.empty(n_max + 2, np.int64)
-    k = match(tokens, sa, first, ctx, n_max, los, his)
+    occurrences (the longest match when none has that many) in a store of one or more shards, each a
+    (tokens, sa, first) triple. An utterance lives in one shard and no continuation crosses one, so
+    the store's count of a suffix is the sum of the shards' counts: the suffix is chosen on the sums,
+    as one store holding every shard would choose it. With more than `cap` occurrences, each shard
+    gives its share of the `cap` (in proportion to its count, largest remainders first), taken as a
+    contiguous block of its suffix array centred where the next longer suffix sits: the occurrences
+    whose further-left context is closest to this one's, read from consecutive memory. The rows are
+    then put in content order, so the tree never depends on how the corpus was split into shards.
+    Returns (rows written, match length, occurrences)."""
+    n_shards = len(shards)
+    los = np.zeros((n_shards, n_max + 2), np.int64)
+    his = np.zeros((n_shards, n_max + 2), np.int64)
+    k = 0
+    for s in range(n_shards):
+        tokens, sa, first = shards[s]
+        # a shard's ranges past its own match stay empty (lo = hi = 0): it has no occurrence there
+        k = max(k, match(tokens, sa, first, ctx, n_max, los[s], his[s]))
     if k < n_min:
         return 0, k, 0
     d = k
-    while d > n_min and his[d] - los[d] < min_support:
+    while d > n_min and occurrences(los, his, d) < min_support:
         d -= 1
-    if his[d] - los[d] < min_support:
+    if occurrences(los, his, d) < min_support:
         d = k
-    lo = los[d]
-    hi = his[d]
-    count = hi - lo
+    count = occurrences(los, his, d)
     m = min(count, cap, out.shape[0] - row0)
-    centre = (los[d + 1] + his[d + 1]) >> 1
-    start = min(max(lo, centre - m // 2), hi - m)
-    sentinel = np.iinfo(tokens.dtype).max
-    for j in range(m):
-        copy_continuation(tokens, sa[start + j] + 1, sentinel, out, row0 + j)
+    takes = proportional_shares(los[:, d], his[:, d], m)
+    row = row0
+    for s in range(n_shards):
+        take = takes[s]
+        if take == 0:
+            continue
+        tokens, sa, first = shards[s]
+        lo = los[s, d]
+        hi = his[s, d]
+        centre = (los[s, d + 1] + his[s, d + 1]) >> 1
+        start = min(max(lo, centre - take // 2), hi - take)
+        sentinel = np.iinfo(tokens.dtype).max
+        for j in range(take):
+            copy_continuation(tokens, sa[start + j] + 1, sentinel, out, row)
+            row += 1
+    sort_rows(out, row0, row)
     return m, d, count
+
+
+@njit(cache=True, nogil=True)
+def occurrences(los, his, d):
+    total = 0
+    for s in range(los.shape[0]):
+        total += his[s, d] - los[s, d]
+    return total
+
+
+@njit(cache=True, nogil=True)
+def proportional_shares(los, his, m):
+    """How many of `m` rows each shard gives: floor(m * count / total), then one more to each of the
+    shards with the largest remainders (ties: lower shard) until the shares add up to m. A share never
+    exceeds its shard's count; when m is the total, every shard gives all its occurrences."""
+    n = los.shape[0]
+    takes = np.zeros(n, np.int64)
+    total = 0
+    for s in range(n):
+        total += his[s] - los[s]
+    if total == 0:
+        return takes
+    given = 0
+    remainders = np.zeros(n, np.int64)
+    for s in range(n):
+        product = m * (his[s] - los[s])
+        takes[s] = product // total
+        remainders[s] = product - takes[s] * total
+        given += takes[s]
+    while given < m:
+        best = 0
+        for s in range(1, n):
+            if remainders[s] > remainders[best]:
+                best = s
+        takes[best] += 1
+        remainders[best] = -1
+        given += 1
+    return takes
+
+
+@njit(cache=True, nogil=True)
+def sort_rows(out, lo, hi):
+    """Insertion sort of out[lo:hi] by content (-1 padding first): at most `cap` short rows."""
+    width = out.shape[1]
+    held = np.empty(width, out.dtype)
+    for i in range(lo + 1, hi):
+        j = i
+        while j > lo and row_less(out, i, j - 1):
+            j -= 1
+        if j == i:
+            continue
+        held[:] = out[i]
+        for r in range(i, j, -1):
+            out[r] = out[r - 1]
+        out[j] = held
+
+
+@njit(cache=True, nogil=True)
+def row_less(out, a, b):
+    for t in range(out.shape[1]):
+        if out[a, t] != out[b, t]:
+            return out[a, t] < out[b, t]
+    return False
 
 
 @njit(cache=True, nogil=True)
@@ -166,11 +248,13 @@ def gather_prompt(ctx, n_min, n_max, cap, window, out, row0):
 
 
 @njit(cache=True, nogil=True)
-def gather_positions(tokens, positions, vocab, out, row0):
-    """Continuations following given stream positions (the FAISS store's neighbours)."""
+def gather_positions(shards, positions, vocab, out, row0):
+    """Continuations following given stream positions (the FAISS store's neighbours), each
+    `shard << 32 | position in that shard's stream`."""
     m = min(positions.shape[0], out.shape[0] - row0)
     for j in range(m):
-        copy_continuation(tokens, positions[j] + 1, vocab, out, row0 + j)
+        tokens = shards[positions[j] >> 32][0]
+        copy_continuation(tokens, (positions[j] & 0xFFFFFFFF) + 1, vocab, out, row0 + j)
     return m
 
 
@@ -310,7 +394,7 @@ def gather_exact(ctx, general, speaker, use_speaker, use_prompt, n_min, n_max, p
                  window, max_depth, extra_rows):
     """Continuation rows of the prompt, the speaker store and the general store.
 
-    `general` and `speaker` are (tokens, sa, first) triples. Returns `conts`, a [rows, max_depth] table
+    `general` and `speaker` are stores: typed lists of (tokens, sa, first) shards. Returns `conts`, a [rows, max_depth] table
     with room for `extra_rows` more (FAISS), and `stats[source]` = (FIRST_ROW, ROWS, MATCH, OCCURRENCES);
     stats[FAISS, FIRST_ROW] is where FAISS rows would start.
     """
@@ -322,10 +406,10 @@ def gather_exact(ctx, general, speaker, use_speaker, use_prompt, n_min, n_max, p
         record(stats, PROMPT, row, m, k, m)
         row += m
     if use_speaker:
-        m, k, occ = gather_store(speaker[0], speaker[1], speaker[2], ctx, n_min, n_max, min_support, cap, conts, row)
+        m, k, occ = gather_store(speaker, ctx, n_min, n_max, min_support, cap, conts, row)
         record(stats, SPEAKER, row, m, k, occ)
         row += m
-    m, k, occ = gather_store(general[0], general[1], general[2], ctx, n_min, n_max, min_support, cap, conts, row)
+    m, k, occ = gather_store(general, ctx, n_min, n_max, min_support, cap, conts, row)
     record(stats, GENERAL, row, m, k, occ)
     stats[FAISS, FIRST_ROW] = row + m
     return conts, stats

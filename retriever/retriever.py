@@ -37,8 +37,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from numba import typed
 
-from ..datastore import Datastore, open_datastore
+from ..datastore import Datastore, ExactStore, open_datastore
 from . import kernels
 from .tree import CandidateTree
 
@@ -83,7 +84,8 @@ class Retriever:
         if self.weights.shape != (4,) or np.any(self.weights < 0):
             raise ValueError("weights must be 4 non-negative numbers (prompt, speaker, general, faiss)")
         self.vocab_size = ds.vocab_size
-        self._general = (ds.general.tokens, ds.general.sa, ds.general.first)
+        self._general = kernel_store(ds.shards)
+        self._speaker_stores: dict[str, typed.List] = {}
         self.propose(np.zeros(1, np.int64))  # JIT warm-up (numba's cache): the first request pays nothing
 
     @property
@@ -110,12 +112,7 @@ class Retriever:
         max_depth = self.max_depth if max_depth is None else int(max_depth)
         if len(ctx) == 0 or max_nodes <= 0 or max_depth <= 0:
             return CandidateTree.empty()
-        speaker_store = self._general
-        if speaker is not None:
-            store = self.datastore.speaker_store(speaker)
-            if store is None:
-                raise ValueError(f"unknown speaker {speaker!r}")
-            speaker_store = (store.tokens, store.sa, store.first)
+        speaker_store = self._general if speaker is None else self._speaker(speaker)
         faiss = self.faiss
         conts, stats = kernels.gather_exact(
             ctx=ctx, general=self._general, speaker=speaker_store, use_speaker=speaker is not None,
@@ -124,10 +121,32 @@ class Retriever:
             extra_rows=0 if faiss is None else self.faiss_k)
         exact_match = max(stats[kernels.SPEAKER, kernels.MATCH], stats[kernels.GENERAL, kernels.MATCH])
         if faiss is not None and exact_match < self.faiss_below:
-            rows = kernels.gather_positions(tokens=self._general[0], positions=faiss.search(ctx, self.faiss_k),
+            rows = kernels.gather_positions(shards=self._general, positions=faiss.search(ctx, self.faiss_k),
                                             vocab=self.vocab_size, out=conts,
                                             row0=stats[kernels.FAISS, kernels.FIRST_ROW])
             # a neighbour's match is one token, its support the rows found
             stats[kernels.FAISS, kernels.ROWS:] = (rows, 1, rows)
         return CandidateTree.trusted(kernels.finish(conts=conts, stats=stats, weights=self.weights,
                                                     max_nodes=max_nodes))
+
+    def _speaker(self, speaker: str) -> typed.List:
+        store = self._speaker_stores.get(speaker)
+        if store is None:
+            exact = self.datastore.speaker_store(speaker)
+            if exact is None:
+                raise ValueError(f"unknown speaker {speaker!r}")
+            store = self._speaker_stores.setdefault(speaker, kernel_store((exact,)))
+        return store
+
+
+def kernel_store(shards: tuple[ExactStore, ...]) -> typed.List:
+    """The kernels' view of a store: a typed list of its shards' (tokens, sa, first) arrays, all read-only
+    so that every shard has one numba type (numba passes a typed list in ~1 us whatever its length,
+    where a tuple of 16 shards costs ~4 us a call)."""
+    return typed.List(tuple(_read_only(a) for a in (shard.tokens, shard.sa, shard.first)) for shard in shards)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.setflags(write=False)
+    return view
