@@ -112,7 +112,8 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
                                      speech_offset=vocab.speech_offset, **(faiss_options or {}))
             _record_store(db, tmp, "faiss", tmp / "faiss", None, sum(u["utterances"] for u in outcome.units),
                           {"tokens": info.pop("vectors"), "segments": 0}, kind="faiss", params=info)
-        catalog.set_meta(db, {"build_seconds": round(time.perf_counter() - started, 3)})
+        catalog.set_meta(db, {"build_seconds": round(time.perf_counter() - started, 3),
+                              "build_tasks": _task_report(outcome)})
         catalog.finish(db, tmp)
         fsync_tree(tmp)
         _replace_dir(tmp, target)
@@ -122,6 +123,15 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
     for leftover in target.parent.glob(f".{target.name}.work-*"):
         shutil.rmtree(leftover, ignore_errors=True)
     return open_datastore(target)
+
+
+def _task_report(outcome) -> list[dict]:
+    """Where and how each store task ran (its worker process's peak memory), for `info --json` and benchmarks."""
+    tasks = [{"task": f"shard {m['shard']}", "tokens": m["tokens"]} | m for m in outcome.shards]
+    tasks += [{"task": f"speakers {m['group']}", "tokens": sum(s["tokens"] for s in m["speakers"])} | m
+              for m in outcome.groups]
+    keep = ("task", "tokens", "host", "pid", "seconds", "peak_rss_bytes")
+    return [{k: t[k] for k in keep} for t in tasks]
 
 
 def _place_shards(db, tmp: Path, work: Path, outcome) -> list[Path]:
@@ -367,6 +377,7 @@ class Datastore:
             "files": self._files,
             "build": meta.get("build", {}),
             "build_seconds": meta.get("build_seconds"),
+            "build_tasks": meta.get("build_tasks", []),
             "created_at": meta["created_at"], "updated_at": meta["updated_at"],
         }
 

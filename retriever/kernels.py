@@ -54,48 +54,6 @@ def narrow(tokens, sa, lo, hi, depth, c):
 
 
 @njit(cache=True, nogil=True)
-def match(tokens, sa, first, ctx, n_max, los, his):
-    """Deepest k <= n_max such that the context's last k tokens occur in the store.
-
-    los[d], his[d] receive the sa range of the last d tokens for d = 1..k, and los[k + 1] (=
-    his[k + 1]) where the next longer suffix would be (the middle when there is none to try).
-    `sa` is sorted by the reversed n-gram, so each extra token to the left narrows the range by two
-    binary searches.
-    """
-    n = ctx.shape[0]
-    if n == 0:
-        return 0
-    c = ctx[n - 1]
-    if first.shape[0]:
-        if c < 0 or c >= first.shape[0] - 1:
-            return 0
-        lo = first[c]
-        hi = first[c + 1]
-    else:  # a small store keeps no first-token table: search its range like any other step
-        lo, hi = narrow(tokens, sa, 0, sa.shape[0], 0, c)
-    if lo >= hi:
-        return 0
-    los[1] = lo
-    his[1] = hi
-    k = 1
-    limit = min(n_max, n)
-    while k < limit:
-        new_lo, a = narrow(tokens, sa, lo, hi, k, ctx[n - 1 - k])
-        if a == new_lo:
-            los[k + 1] = a  # where the longer suffix would sit: its nearest neighbours surround it
-            his[k + 1] = a
-            return k
-        lo = new_lo
-        hi = a
-        k += 1
-        los[k] = lo
-        his[k] = hi
-    los[k + 1] = (lo + hi) >> 1
-    his[k + 1] = los[k + 1]
-    return k
-
-
-@njit(cache=True, nogil=True)
 def copy_continuation(stream, start, stop_at, out, row):
     """out[row] = stream[start:] up to the row's width, cut at the first id >= stop_at, -1 padded."""
     width = out.shape[1]
@@ -124,26 +82,14 @@ def gather_store(shards, ctx, n_min, n_max, min_support, cap, out, row0):
     whose further-left context is closest to this one's, read from consecutive memory. The rows are
     then put in content order, so the tree never depends on how the corpus was split into shards.
     Returns (rows written, match length, occurrences)."""
-    n_shards = len(shards)
-    los = np.zeros((n_shards, n_max + 2), np.int64)
-    his = np.zeros((n_shards, n_max + 2), np.int64)
-    k = 0
-    for s in range(n_shards):
-        tokens, sa, first = shards[s]
-        # a shard's ranges past its own match stay empty (lo = hi = 0): it has no occurrence there
-        k = max(k, match(tokens, sa, first, ctx, n_max, los[s], his[s]))
-    if k < n_min:
-        return 0, k, 0
-    d = k
-    while d > n_min and occurrences(los, his, d) < min_support:
-        d -= 1
-    if occurrences(los, his, d) < min_support:
-        d = k
-    count = occurrences(los, his, d)
+    los, his, counts, d = match(shards, ctx, n_min, n_max, min_support)
+    if d < n_min:
+        return 0, d, 0
+    count = counts[d]
     m = min(count, cap, out.shape[0] - row0)
     takes = proportional_shares(los[:, d], his[:, d], m)
     row = row0
-    for s in range(n_shards):
+    for s in range(len(shards)):
         take = takes[s]
         if take == 0:
             continue
@@ -158,6 +104,64 @@ def gather_store(shards, ctx, n_min, n_max, min_support, cap, out, row0):
             row += 1
     sort_rows(out, row0, row)
     return m, d, count
+
+
+@njit(cache=True, nogil=True)
+def match(shards, ctx, n_min, n_max, min_support):
+    """The suffix length d that gather_store takes, with every shard's sa ranges.
+
+    los[s, t], his[s, t]: shard s's sa range of the context's last t tokens; counts[t] their sum over
+    shards. `sa` is sorted by the reversed n-gram, so one more token to the left narrows a range by two
+    binary searches; all shards go one depth at a time. The row after d holds where the next longer
+    suffix sits in each shard (its range, the insertion point when it does not occur, or the middle
+    when there is no longer suffix to try). The search stops as soon as the count falls below
+    `min_support` after a depth >= n_min that had it (no deeper suffix can be chosen then); when no depth
+    has the support it goes on to the deepest match. d < n_min: nothing to gather.
+    """
+    n_shards = len(shards)
+    los = np.zeros((n_shards, n_max + 2), np.int64)
+    his = np.zeros((n_shards, n_max + 2), np.int64)
+    counts = np.zeros(n_max + 2, np.int64)
+    n = ctx.shape[0]
+    if n == 0:
+        return los, his, counts, 0
+    c = ctx[n - 1]
+    for s in range(n_shards):
+        tokens, sa, first = shards[s]
+        if first.shape[0]:
+            if c < first.shape[0] - 1:
+                los[s, 1] = first[c]
+                his[s, 1] = first[c + 1]
+        else:  # a small store keeps no first-token table: search its range like any other step
+            los[s, 1], his[s, 1] = narrow(tokens, sa, 0, sa.shape[0], 0, c)
+        counts[1] += his[s, 1] - los[s, 1]
+    if counts[1] == 0:
+        return los, his, counts, 0
+    limit = min(n_max, n)
+    t = 1
+    while True:
+        for s in range(n_shards):
+            lo = los[s, t]
+            hi = his[s, t]
+            if t == limit or lo == hi:  # no longer suffix to try (or none here): its place is the middle
+                los[s, t + 1] = (lo + hi) >> 1
+                his[s, t + 1] = los[s, t + 1]
+            else:
+                tokens, sa, first = shards[s]
+                los[s, t + 1], his[s, t + 1] = narrow(tokens, sa, lo, hi, t, ctx[n - 1 - t])
+            counts[t + 1] += his[s, t + 1] - los[s, t + 1]
+        if counts[t + 1] < min_support and t >= n_min and counts[t] >= min_support:
+            return los, his, counts, t
+        if counts[t + 1] == 0:
+            break
+        t += 1
+    deepest = t
+    d = deepest
+    while d > n_min and counts[d] < min_support:
+        d -= 1
+    if counts[d] < min_support:
+        d = deepest
+    return los, his, counts, d
 
 
 @njit(cache=True, nogil=True)
