@@ -1,10 +1,11 @@
 """The tasks of a build, in order: partition the corpus units, then build every shard of the general store
 and every speaker group; finished work found in the work directory is reused (see tasks.py).
 
-Memory a task needs (measured: tools/benchmarks/bench_shards.py): the single-store builder peaks at about
-SORT_BYTES_PER_TOKEN bytes per token it sorts (packed sort keys, their copy, the suffix array and its
-scratch, the stream and the partition files) on top of TASK_BASE_BYTES (Python, NumPy, numba); a partition
-task holds at most tasks.CHUNK_TOKENS tokens.
+Memory a task needs (measured by tools/benchmarks/bench_shards.py: 56 B per token on top of ~200 MB): the
+single-store builder's peak is the packed sort keys and their copy (2 x 16 B a token at depth 8 with a
+13-bit vocabulary), the positions (8 B, then 4), the suffix array and its scratch (2 x 4 B), the stream and
+the partition files it came from (2 x 2 B); SORT_BYTES_PER_TOKEN adds room to that. A partition task holds
+at most tasks.CHUNK_TOKENS tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +27,8 @@ from .exact import MAX_TOKENS
 from .runners import LocalRunner, RayRunner
 from .tasks import CHUNK_TOKENS, build_shard, build_speakers, finished_store, finished_unit, partition_unit
 
-SORT_BYTES_PER_TOKEN = 48
-TASK_BASE_BYTES = 768 << 20
+SORT_BYTES_PER_TOKEN = 64
+TASK_BASE_BYTES = 512 << 20
 PARTITION_BYTES = TASK_BASE_BYTES + 40 * CHUNK_TOKENS
 
 
@@ -36,6 +38,7 @@ class Outcome:
     units: list[dict]  # partition_unit's counts, in corpus order
     shards: list[dict]  # build_shard's manifests, by shard
     groups: list[dict]  # build_speakers' manifests, by speaker group
+    seconds: dict  # wall-clock seconds of each phase: reading the corpus, building the stores
 
 
 def work_dir(target: Path, files: list[Path], options: dict) -> Path:
@@ -55,7 +58,9 @@ def make_runner(ray: str | None, workers: int | None, shards: int):
 
 def run(work: Path, files: list[Path], vocab: Vocabulary, shards: int, per_speaker: bool, depth: int,
         runner, progress: bool) -> Outcome:
+    started = time.perf_counter()
     units = _partition(work, files, vocab, shards, per_speaker, runner, progress)
+    read = time.perf_counter()
     n_tokens = sum(u["tokens"] for u in units)
     if n_tokens == 0:
         names = ", ".join(str(f) for f in files)
@@ -81,8 +86,9 @@ def run(work: Path, files: list[Path], vocab: Vocabulary, shards: int, per_speak
         done[key] = manifest
         bar.update()
     bar.close()
+    seconds = {"read": round(read - started, 3), "stores": round(time.perf_counter() - read, 3)}
     return Outcome(vocab, units, [done[("shard", i)] for i in range(shards)],
-                   [done[("group", j)] for j in range(groups)])
+                   [done[("group", j)] for j in range(groups)], seconds)
 
 
 def task_memory(tokens: int) -> int:

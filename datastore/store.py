@@ -113,7 +113,7 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
             _record_store(db, tmp, "faiss", tmp / "faiss", None, sum(u["utterances"] for u in outcome.units),
                           {"tokens": info.pop("vectors"), "segments": 0}, kind="faiss", params=info)
         catalog.set_meta(db, {"build_seconds": round(time.perf_counter() - started, 3),
-                              "build_tasks": _task_report(outcome)})
+                              "build_phases": outcome.seconds, "build_tasks": _task_report(outcome)})
         catalog.finish(db, tmp)
         fsync_tree(tmp)
         _replace_dir(tmp, target)
@@ -377,6 +377,7 @@ class Datastore:
             "files": self._files,
             "build": meta.get("build", {}),
             "build_seconds": meta.get("build_seconds"),
+            "build_phases": meta.get("build_phases", {}),
             "build_tasks": meta.get("build_tasks", []),
             "created_at": meta["created_at"], "updated_at": meta["updated_at"],
         }

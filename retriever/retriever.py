@@ -37,8 +37,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from numba import typed
-
 from ..datastore import Datastore, ExactStore, open_datastore
 from . import kernels
 from .tree import CandidateTree
@@ -84,8 +82,8 @@ class Retriever:
         if self.weights.shape != (4,) or np.any(self.weights < 0):
             raise ValueError("weights must be 4 non-negative numbers (prompt, speaker, general, faiss)")
         self.vocab_size = ds.vocab_size
-        self._general = kernel_store(ds.shards)
-        self._speaker_stores: dict[str, typed.List] = {}
+        self._general = kernel_store(ds.shards)  # ds (self.datastore) keeps the shards mapped
+        self._speaker_stores: dict[str, tuple] = {}
         self.propose(np.zeros(1, np.int64))  # JIT warm-up (numba's cache): the first request pays nothing
 
     @property
@@ -121,7 +119,7 @@ class Retriever:
             extra_rows=0 if faiss is None else self.faiss_k)
         exact_match = max(stats[kernels.SPEAKER, kernels.MATCH], stats[kernels.GENERAL, kernels.MATCH])
         if faiss is not None and exact_match < self.faiss_below:
-            rows = kernels.gather_positions(shards=self._general, positions=faiss.search(ctx, self.faiss_k),
+            rows = kernels.gather_positions(store=self._general, positions=faiss.search(ctx, self.faiss_k),
                                             vocab=self.vocab_size, out=conts,
                                             row0=stats[kernels.FAISS, kernels.FIRST_ROW])
             # a neighbour's match is one token, its support the rows found
@@ -129,24 +127,20 @@ class Retriever:
         return CandidateTree.trusted(kernels.finish(conts=conts, stats=stats, weights=self.weights,
                                                     max_nodes=max_nodes))
 
-    def _speaker(self, speaker: str) -> typed.List:
-        store = self._speaker_stores.get(speaker)
-        if store is None:
+    def _speaker(self, speaker: str) -> tuple:
+        cached = self._speaker_stores.get(speaker)
+        if cached is None:
             exact = self.datastore.speaker_store(speaker)
             if exact is None:
                 raise ValueError(f"unknown speaker {speaker!r}")
-            store = self._speaker_stores.setdefault(speaker, kernel_store((exact,)))
-        return store
+            # the store itself stays beside its view: the view holds addresses of its mapped arrays
+            cached = self._speaker_stores.setdefault(speaker, (kernel_store((exact,)), exact))
+        return cached[0]
 
 
-def kernel_store(shards: tuple[ExactStore, ...]) -> typed.List:
-    """The kernels' view of a store: a typed list of its shards' (tokens, sa, first) arrays, all read-only
-    so that every shard has one numba type (numba passes a typed list in ~1 us whatever its length,
-    where a tuple of 16 shards costs ~4 us a call)."""
-    return typed.List(tuple(_read_only(a) for a in (shard.tokens, shard.sa, shard.first)) for shard in shards)
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    view = array.view()
-    view.setflags(write=False)
-    return view
+def kernel_store(shards: tuple[ExactStore, ...]) -> tuple:
+    """The kernels' view of a store (see kernels.TOKENS): a table of its shards' array addresses and
+    lengths, and shard 0's arrays for their dtypes. The caller keeps `shards` alive while it uses the view."""
+    table = np.array([[a.ctypes.data if len(a) else 0, len(a)] for shard in shards
+                      for a in (shard.tokens, shard.sa, shard.first)], np.int64).reshape(len(shards), 6)
+    return table, shards[0].tokens, shards[0].sa, shards[0].first

@@ -87,14 +87,16 @@ def timed_build(corpus: str, store: Path, shards: int, per_speaker: bool, worker
     seconds = time.perf_counter() - started
     info = ds.info()
     tasks = info["build_tasks"]
-    return {"seconds": seconds, "tokens": info["tokens"], "tokens_per_s": info["tokens"] / seconds,
+    return {"seconds": seconds, "phases": info["build_phases"], "tokens": info["tokens"],
+            "tokens_per_s": info["tokens"] / seconds,
             "general_bytes_per_token": info["general_bytes_per_token"],
             "exact_bytes_per_token": info["exact_bytes"] / info["tokens"],
             "peak_rss_mb": max(t["peak_rss_bytes"] for t in tasks) / 2**20,
             "task_tokens_max": max(t["tokens"] for t in tasks),
             "peak_rss_bytes_per_task_token": max(t["peak_rss_bytes"] / max(t["tokens"], 1) for t in tasks
                                                  if t["tokens"] >= 0.5 * max(u["tokens"] for u in tasks)),
-            "shard_seconds_max": max(t["seconds"] for t in tasks if t["task"].startswith("shard"))}
+            "shard_seconds_max": max(t["seconds"] for t in tasks if t["task"].startswith("shard")),
+            "tasks": [[t["tokens"], t["peak_rss_bytes"]] for t in tasks if t["task"].startswith("shard")]}
 
 
 def build_in_child(corpus: str, store: Path, shards: int, per_speaker: bool, workers: int | None = None,
@@ -152,14 +154,23 @@ def oracle(retriever: Retriever, held: list[np.ndarray]) -> dict:
             "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]}
 
 
-def projection(builds: dict, stores: dict) -> dict:
+def memory_fit(tasks: list[list[int]]) -> dict:
+    """Peak resident set of a shard task against the tokens it sorts, fitted over tasks of several sizes
+    (the S = 1, 4, 16 builds): bytes per token and the fixed part."""
+    tokens, peak = np.asarray(tasks, float).T
+    slope, intercept = np.polyfit(tokens, peak, 1)
+    return {"bytes_per_token": float(slope), "base_mb": float(intercept) / 2**20,
+            "points": [[int(t), int(p)] for t, p in zip(tokens, peak)]}
+
+
+def projection(builds: dict, stores: dict, memory: dict) -> dict:
     """15 B tokens on paper, from the measured one-worker throughput (whole build: reading, shards and
     speaker stores), the measured parallel efficiency, and the measured memory and disk per token."""
     one = builds["local, 1 worker"]
     per_worker = one["tokens_per_s"]
     efficiency = min(b["efficiency"] for b in builds.values())
     shard_tokens = 500_000_000  # 30 shards, each a quarter of the int32 limit
-    task_bytes = max(b["peak_rss_bytes_per_task_token"] for b in builds.values()) * shard_tokens
+    task_bytes = memory["bytes_per_token"] * shard_tokens + memory["base_mb"] * 2**20
     nodes, tasks_per_node = 8, 4  # 32 shard tasks at once: every shard and speaker group in two waves
     hours = TARGET_TOKENS / (per_worker * efficiency * nodes * tasks_per_node) / 3600
     return {"tokens": TARGET_TOKENS, "shards": TARGET_TOKENS // shard_tokens, "per_worker_tokens_per_s": per_worker,
@@ -199,15 +210,16 @@ def cli(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, use
                                           ray_cpus=w if mode == "ray" else None)
             builds[name]["workers"] = w
             click.echo(f"build {name}: {builds[name]['tokens_per_s'] / 1e6:.2f} M tokens/s, "
-                       f"peak {builds[name]['peak_rss_mb']:.0f} MB a task")
+                       f"peak {builds[name]['peak_rss_mb']:.0f} MB a task, phases {builds[name]['phases']}")
             if (mode, w) != ("local", max(workers)):
                 shutil.rmtree(store)
     shard_counts = [int(s) for s in latency_shards.split(",")]
-    stores, retrievers = {}, {}
+    stores, retrievers, tasks = {}, {}, []
     for s in shard_counts:
         store = out / f"store-general-{s}"
         built = build_in_child(corpus, store, s, False, workers=max(workers))
-        stores[s] = {"bytes_per_token": built["general_bytes_per_token"]}
+        tasks += built["tasks"]
+        stores[s] = {"bytes_per_token": built["general_bytes_per_token"], "build_tokens_per_s": built["tokens_per_s"]}
         retrievers[s] = Retriever(open_datastore(store), use_faiss=False)
     timings = latency(retrievers, held, calls, rounds, warmup=500)
     for s in shard_counts:
@@ -223,7 +235,8 @@ def cli(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, use
     result = {"machine": {"cores": os.cpu_count(), "threads": int(THREADS), "python": platform.python_version(),
                           "load_average": os.getloadavg()},
               "corpus_tokens": n_train, "held_out": len(held), "build_shards": build_shards,
-              "builds": builds, "stores": stores, "projection": projection(builds, stores),
+              "builds": builds, "stores": stores, "task_memory": memory_fit(tasks),
+              "projection": projection(builds, stores, memory_fit(tasks)),
               "seconds": time.perf_counter() - started}
     (out / "shards.json").write_text(json.dumps(result, indent=2))
     (out / "shards.md").write_text(markdown(result))
@@ -232,16 +245,20 @@ def cli(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, use
 
 def markdown(result: dict) -> str:
     lines = [f"Build: {result['corpus_tokens'] / 1e6:.1f} M tokens, {result['build_shards']} shards + speaker stores",
-             "", "| build | M tokens/s | speed-up | efficiency | B/token on disk (general) | peak RSS a task (MB) | "
-             "peak B per sorted token |", "|---|---|---|---|---|---|---|"]
+             "", "| build | M tokens/s | speed-up | efficiency | read / stores s | B/token on disk (general) | "
+             "peak RSS a task (MB) | peak B per sorted token |", "|---|---|---|---|---|---|---|---|"]
     for name, b in result["builds"].items():
         lines.append(f"| {name} | {b['tokens_per_s'] / 1e6:.2f} | {b['speedup']:.2f}x | {b['efficiency']:.2f} | "
+                     f"{b['phases']['read']:.1f} / {b['phases']['stores']:.1f} | "
                      f"{b['exact_bytes_per_token']:.2f} ({b['general_bytes_per_token']:.2f}) | {b['peak_rss_mb']:.0f} | "
                      f"{b['peak_rss_bytes_per_task_token']:.0f} |")
     lines += ["", "| shards | propose p50 µs | p99 µs | oracle tokens/step [95% CI] | vs 1 shard |", "|---|---|---|---|---|"]
     for s, r in result["stores"].items():
         lines.append(f"| {s} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | {r['tokens_per_step']:.3f} "
                      f"[{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}] | {r['acceptance_ratio']:.4f} |")
+    m = result["task_memory"]
+    lines += ["", f"Shard task peak memory: {m['base_mb']:.0f} MB + {m['bytes_per_token']:.1f} B per token it sorts "
+              f"(fit over {len(m['points'])} shard tasks of the S = 1, 4, 16 builds)."]
     p = result["projection"]
     lines += ["", f"15 B tokens on paper: {p['shards']} shards of 0.5 B tokens, {p['task_memory_gb']:.0f} GB a shard task; "
               f"{p['nodes']} nodes x {p['tasks_per_node']} tasks ({p['node_memory_gb']:.0f} GB a node): "
