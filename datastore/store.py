@@ -94,11 +94,21 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
         raise
     finally:
         runner.close()
+    _assemble(target, work, outcome, n_min, n_max, per_speaker, faiss, embeddings, faiss_options, corpus, started)
+    for leftover in target.parent.glob(f".{target.name}.work-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return open_datastore(target)
+
+
+def _assemble(target: Path, work: Path, outcome, n_min, n_max, per_speaker, faiss, embeddings, faiss_options,
+              corpus, started: float) -> None:
+    """The datastore from the finished tasks: their stores linked in, the catalog written, the FAISS store
+    built over the shards, all in a temporary directory renamed to `target` once complete."""
     vocab = outcome.vocab
     tmp = target.parent / f".{target.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
-        db = catalog.create(tmp, _meta(vocab, n_min, n_max, per_speaker, faiss, corpus, shards))
+        db = catalog.create(tmp, _meta(vocab, n_min, n_max, per_speaker, faiss, corpus, len(outcome.shards)))
         speaker_utterances = _insert_utterances(db, _partition_rows(work, outcome.units))
         shard_dirs = _place_shards(db, tmp, work, outcome)
         for group, manifest in enumerate(outcome.groups):
@@ -120,9 +130,6 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for leftover in target.parent.glob(f".{target.name}.work-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    return open_datastore(target)
 
 
 def _task_report(outcome) -> list[dict]:

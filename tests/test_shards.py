@@ -1,7 +1,7 @@
 """Sharded datastores: built by parallel tasks (local processes or Ray), queried exactly as one store.
 
-The Ray tests share one local cluster (`ray.init(num_cpus=2)`), started once per session: its start-up is
-the expensive part. They need the `ray` extra (ray[data], pyarrow); Parquet tests need pyarrow.
+The Ray tests share one local cluster (`ray.init(num_cpus=2)`), started once: its start-up is the expensive
+part. They need the `ray` extra (ray[data], pyarrow); Parquet tests need pyarrow.
 """
 
 import json
@@ -49,7 +49,7 @@ def trees_equal(a, b):
     return a.to_dict() == b.to_dict()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # this module is its only user: Ray starts once and stops when it is done
 def ray_cluster():
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")
@@ -346,3 +346,29 @@ def test_ray_retries_a_shard_task_whose_worker_is_killed(ray_cluster, tmp_path):
     open_datastore(tmp_path / "store", verify=True)
     assert shard_checksums(ds.root) == shard_checksums(
         build(corpus, tmp_path / "local", shards=4, workers=1, per_speaker=False, faiss=False, progress=False).root)
+
+
+def test_service_serves_and_enrolls_a_sharded_store_unchanged(tmp_path):
+    from echospec.retriever.remote import RemoteRetriever
+    from service_testing import API_KEY, VOCAB, Server, synthetic_corpus
+    from service_testing import write_jsonl as write_rows
+
+    corpus = synthetic_corpus(20_000)
+    ds = build(write_rows(corpus, tmp_path / "c.jsonl"), tmp_path / "voices", shards=4, workers=1,
+               vocab_size=VOCAB, faiss=False, progress=False)
+    one = build(tmp_path / "c.jsonl", tmp_path / "one", vocab_size=VOCAB, faiss=False, progress=False)
+    rng = np.random.default_rng(0)
+    with Server(tmp_path / "voices") as server, RemoteRetriever(server.url, store="voices", timeout=5.0,
+                                                                 api_key=API_KEY) as remote:
+        for _ in range(30):
+            utterance = corpus[int(rng.integers(len(corpus)))]
+            context = np.array(utterance["tokens"][:int(rng.integers(1, len(utterance["tokens"])))])
+            got = remote.propose(context, speaker=utterance["speaker"])
+            assert got.to_dict() == Retriever(ds).propose(context, speaker=utterance["speaker"]).to_dict()
+            assert trees_equal(Retriever(ds, cap=10**6, use_faiss=False).propose(context),
+                               Retriever(one, cap=10**6, use_faiss=False).propose(context))
+        remote.enroll("carol", [{"id": "c1", "tokens": corpus[0]["tokens"]}])
+        context = np.array(corpus[0]["tokens"][:12])
+        assert remote.propose(context, speaker="carol").to_dict() == \
+            Retriever(tmp_path / "voices").propose(context, speaker="carol").to_dict()
+    assert len(open_datastore(tmp_path / "voices", verify=True).shards) == 4

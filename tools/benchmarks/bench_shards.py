@@ -12,6 +12,7 @@ is read in parallel too), one held-out split:
   >= 10,000 contexts cut from held-out utterances, the stores interleaved every 50 calls in a fresh random order
   after a warm-up; oracle acceptance (tokens per step: longest tree path equal to the true next tokens + the
   verifier's bonus token) over the held-out utterances, with a 95% bootstrap interval, and the ratio to S = 1;
+- the single-store builder alone and two at once (what side-by-side tasks can gain on this machine at all);
 - a projection to a 15 B-token corpus from the measured figures.
 
     python -m echospec.tools.benchmarks.bench_shards --tokens 30000000 --out bench/shards
@@ -88,6 +89,8 @@ def timed_build(corpus: str, store: Path, shards: int, per_speaker: bool, worker
     info = ds.info()
     tasks = info["build_tasks"]
     return {"seconds": seconds, "phases": info["build_phases"], "tokens": info["tokens"],
+            "utterances": info["utterances"],
+            "assemble_seconds": seconds - sum(info["build_phases"].values()),
             "tokens_per_s": info["tokens"] / seconds,
             "general_bytes_per_token": info["general_bytes_per_token"],
             "exact_bytes_per_token": info["exact_bytes"] / info["tokens"],
@@ -155,29 +158,59 @@ def oracle(retriever: Retriever, held: list[np.ndarray]) -> dict:
 
 
 def memory_fit(tasks: list[list[int]]) -> dict:
-    """Peak resident set of a shard task against the tokens it sorts, fitted over tasks of several sizes
-    (the S = 1, 4, 16 builds): bytes per token and the fixed part."""
+    """Peak resident set of a shard task against the tokens it sorts, fitted over tasks of two sizes run
+    in worker processes of their own (the S = 4 and 16 builds): bytes per token and the fixed part."""
     tokens, peak = np.asarray(tasks, float).T
     slope, intercept = np.polyfit(tokens, peak, 1)
     return {"bytes_per_token": float(slope), "base_mb": float(intercept) / 2**20,
             "points": [[int(t), int(p)] for t, p in zip(tokens, peak)]}
 
 
-def projection(builds: dict, stores: dict, memory: dict) -> dict:
-    """15 B tokens on paper, from the measured one-worker throughput (whole build: reading, shards and
-    speaker stores), the measured parallel efficiency, and the measured memory and disk per token."""
+def sort_alone_and_in_pairs(tokens: int) -> dict:
+    """The single-store builder on `tokens` random tokens, alone and two at once in two processes: what
+    running tasks side by side gains on this machine, whatever the pipeline around them does."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_sort_random, [tokens // 10] * 2))  # imports and JIT cache loaded in both
+        alone = list(pool.map(_sort_random, [tokens]))[0]
+        pair = max(pool.map(_sort_random, [tokens, tokens]))
+    return {"tokens": tokens, "alone_s": alone, "two_at_once_s": pair, "efficiency": alone / pair}
+
+
+def _sort_random(tokens: int) -> float:
+    import tempfile
+
+    from ...datastore.exact import write_exact_store
+
+    stream = np.random.default_rng(tokens).integers(0, 6561, tokens).astype(np.uint16)
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        write_exact_store(Path(tmp), np.split(stream, np.arange(200, tokens, 200)), 6561, 8)
+        return time.perf_counter() - started
+
+
+def projection(builds: dict, memory: dict, pairs: dict) -> dict:
+    """15 B tokens on paper, from the measured figures: one worker's whole-build throughput (reading, the
+    general shards and the speaker stores), a shard task's memory, the driver's catalog rate, and how much
+    two tasks side by side gain (this machine's pair efficiency as the low end, 1 as the high end)."""
     one = builds["local, 1 worker"]
-    per_worker = one["tokens_per_s"]
-    efficiency = min(b["efficiency"] for b in builds.values())
     shard_tokens = 500_000_000  # 30 shards, each a quarter of the int32 limit
-    task_bytes = memory["bytes_per_token"] * shard_tokens + memory["base_mb"] * 2**20
-    nodes, tasks_per_node = 8, 4  # 32 shard tasks at once: every shard and speaker group in two waves
-    hours = TARGET_TOKENS / (per_worker * efficiency * nodes * tasks_per_node) / 3600
-    return {"tokens": TARGET_TOKENS, "shards": TARGET_TOKENS // shard_tokens, "per_worker_tokens_per_s": per_worker,
-            "efficiency": efficiency, "task_memory_gb": task_bytes / 1e9, "nodes": nodes,
-            "tasks_per_node": tasks_per_node, "node_memory_gb": tasks_per_node * task_bytes / 1e9, "hours": hours,
+    peak = memory["bytes_per_token"] * shard_tokens + memory["base_mb"] * 2**20
+    reserved = 64 * shard_tokens + (512 << 20)  # datastore.pipeline: SORT_BYTES_PER_TOKEN, TASK_BASE_BYTES
+    node_memory = 128 << 30
+    nodes, per_node = 8, int(node_memory // reserved)
+    worker_hours = TARGET_TOKENS / one["tokens_per_s"] / 3600
+    driver_hours = TARGET_TOKENS / one["tokens"] * one["assemble_seconds"] / 3600
+    return {"tokens": TARGET_TOKENS, "shards": TARGET_TOKENS // shard_tokens, "worker_hours": worker_hours,
+            "task_peak_gb": peak / 1e9, "task_reserved_gb": reserved / 1e9, "node_memory_gb": node_memory / 2**30,
+            "nodes": nodes, "tasks_per_node": per_node, "driver_hours": driver_hours,
+            "hours_side_by_side_as_alone": worker_hours / (nodes * per_node) + driver_hours,
+            "hours_as_this_machine": worker_hours / (nodes * per_node * pairs["efficiency"]) + driver_hours,
             "disk_tb": TARGET_TOKENS * one["exact_bytes_per_token"] / 1e12,
-            "serve_memory_gb_all_shards": TARGET_TOKENS * stores[1]["bytes_per_token"] / 1e9}
+            "work_disk_tb": TARGET_TOKENS * (one["exact_bytes_per_token"] + 4) / 1e12,
+            "general_store_gb": TARGET_TOKENS * one["general_bytes_per_token"] / 1e9}
 
 
 @click.command()
@@ -213,12 +246,15 @@ def cli(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, use
                        f"peak {builds[name]['peak_rss_mb']:.0f} MB a task, phases {builds[name]['phases']}")
             if (mode, w) != ("local", max(workers)):
                 shutil.rmtree(store)
+    pairs = sort_alone_and_in_pairs(min(n_train, 15_000_000))
+    click.echo(f"single-store builds, alone {pairs['alone_s']:.1f} s, two at once {pairs['two_at_once_s']:.1f} s")
     shard_counts = [int(s) for s in latency_shards.split(",")]
     stores, retrievers, tasks = {}, {}, []
     for s in shard_counts:
         store = out / f"store-general-{s}"
         built = build_in_child(corpus, store, s, False, workers=max(workers))
-        tasks += built["tasks"]
+        if s > 1:  # one shard is built in the process that read the corpus: its peak is not the task's alone
+            tasks += built["tasks"]
         stores[s] = {"bytes_per_token": built["general_bytes_per_token"], "build_tokens_per_s": built["tokens_per_s"]}
         retrievers[s] = Retriever(open_datastore(store), use_faiss=False)
     timings = latency(retrievers, held, calls, rounds, warmup=500)
@@ -235,8 +271,8 @@ def cli(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, use
     result = {"machine": {"cores": os.cpu_count(), "threads": int(THREADS), "python": platform.python_version(),
                           "load_average": os.getloadavg()},
               "corpus_tokens": n_train, "held_out": len(held), "build_shards": build_shards,
-              "builds": builds, "stores": stores, "task_memory": memory_fit(tasks),
-              "projection": projection(builds, stores, memory_fit(tasks)),
+              "builds": builds, "sort_pairs": pairs, "stores": stores, "task_memory": memory_fit(tasks),
+              "projection": projection(builds, memory_fit(tasks), pairs),
               "seconds": time.perf_counter() - started}
     (out / "shards.json").write_text(json.dumps(result, indent=2))
     (out / "shards.md").write_text(markdown(result))
@@ -256,15 +292,19 @@ def markdown(result: dict) -> str:
     for s, r in result["stores"].items():
         lines.append(f"| {s} | {r['p50_us']:.1f} | {r['p99_us']:.1f} | {r['tokens_per_step']:.3f} "
                      f"[{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}] | {r['acceptance_ratio']:.4f} |")
-    m = result["task_memory"]
+    m, q, p = result["task_memory"], result["sort_pairs"], result["projection"]
     lines += ["", f"Shard task peak memory: {m['base_mb']:.0f} MB + {m['bytes_per_token']:.1f} B per token it sorts "
-              f"(fit over {len(m['points'])} shard tasks of the S = 1, 4, 16 builds)."]
-    p = result["projection"]
-    lines += ["", f"15 B tokens on paper: {p['shards']} shards of 0.5 B tokens, {p['task_memory_gb']:.0f} GB a shard task; "
-              f"{p['nodes']} nodes x {p['tasks_per_node']} tasks ({p['node_memory_gb']:.0f} GB a node): "
-              f"{p['hours']:.1f} h at {p['per_worker_tokens_per_s'] / 1e6:.2f} M tokens/s a worker "
-              f"and efficiency {p['efficiency']:.2f}; "
-              f"{p['disk_tb']:.2f} TB on disk; serving maps {p['serve_memory_gb_all_shards']:.0f} GB of general store."]
+              f"(fit over {len(m['points'])} shard tasks of the S > 1 builds). The single-store builder on "
+              f"{q['tokens'] / 1e6:.0f} M tokens: {q['alone_s']:.1f} s alone, {q['two_at_once_s']:.1f} s two at once "
+              f"(pair efficiency {q['efficiency']:.2f}).",
+              "", f"15 B tokens on paper: {p['worker_hours']:.1f} worker-hours; {p['shards']} shards of 0.5 B tokens, "
+              f"a shard task peaking at {p['task_peak_gb']:.0f} GB (Ray reserves {p['task_reserved_gb']:.0f} GB); "
+              f"{p['nodes']} nodes of {p['node_memory_gb']:.0f} GB run {p['tasks_per_node']} tasks each: "
+              f"{p['hours_side_by_side_as_alone']:.2f} h (tasks side by side as fast as alone) to "
+              f"{p['hours_as_this_machine']:.2f} h (at this machine's pair efficiency), of which {p['driver_hours']:.2f} h "
+              "the driver's catalog; "
+              f"{p['disk_tb']:.2f} TB of stores ({p['work_disk_tb']:.2f} TB while building), "
+              f"{p['general_store_gb']:.0f} GB of general store to map when serving."]
     return "\n".join(lines) + "\n"
 
 
