@@ -73,6 +73,8 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
         raise DatastoreError(f"shards must be between 1 and 65536, got {shards}")
     if workers is not None and int(workers) < 1:
         raise DatastoreError(f"workers must be at least 1, got {workers}")
+    if workers is not None and ray is not None:
+        raise DatastoreError("workers sets local processes; on Ray the cluster's CPUs run the tasks (drop one)")
     target = Path(store_dir)
     _check_target(target, force)
     if faiss and embeddings is not None and not Path(embeddings).is_file():

@@ -171,6 +171,15 @@ def test_cli_build_info_and_verify_show_shards(tmp_path):
     assert done.exit_code == 2 and "--shards" in done.output
 
 
+def test_bad_shard_options(tmp_path):
+    corpus = random_corpus(tmp_path / "c.jsonl")
+    for kwargs, message in [({"shards": 0}, "shards must be between"), ({"workers": 0}, "workers must be"),
+                            ({"workers": 2, "ray": "auto"}, "drop one")]:
+        with pytest.raises(DatastoreError, match=message):
+            build(corpus, tmp_path / "s", progress=False, **kwargs)
+    assert [p.name for p in tmp_path.iterdir()] == ["c.jsonl"]
+
+
 def test_each_shard_stays_under_the_int32_suffix_array_limit():
     _check_shard_sizes([MAX_TOKENS, MAX_TOKENS - 5, 10], 3)  # the datastore as a whole may exceed 2^31
     with pytest.raises(DatastoreError, match=r"shard 1 would hold \d+ .* use --shards 4 or more"):
