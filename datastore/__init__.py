@@ -2,6 +2,7 @@
 
     from echospec.datastore import build, enroll, open_datastore
     ds = build("corpus.jsonl", "store_dir")          # general + per-speaker exact stores, FAISS store
+    ds = build("corpus/*.parquet", "big", shards=32, ray="auto")  # general store in 32 shards, built on Ray
     enroll("store_dir", "ann", "ann_more.jsonl")      # add a speaker's utterances; general store untouched
     ds = open_datastore("store_dir"); ds.info()
 

@@ -6,6 +6,8 @@ Tables
               n_min, n_max, sort_depth, dtype, build parameters, created_at, updated_at
   stores      one row per store: name ("general", "speaker:<name>", "faiss"), kind, directory,
               utterances, segments, tokens, bytes, created_at, params (JSON)
+  shards      the general store's shards: store, shard (0..S-1), directory, utterances, segments, tokens,
+              bytes, sha256 (of its files' names and checksums), created_at
   speakers    name, store, utterances, tokens, enrolled_at
   utterances  id, speaker, tokens, source ("file:line"), extra (JSON: the corpus line's other fields)
   files       path (relative to the datastore), store, bytes, sha256
@@ -53,6 +55,8 @@ def create(root: Path, meta: dict) -> sqlite_utils.Database:
     db["stores"].create({"name": str, "kind": str, "directory": str, "speaker": str, "utterances": int,
                          "segments": int, "tokens": int, "bytes": int, "created_at": str, "params": str},
                         pk="name")
+    db["shards"].create({"store": str, "shard": int, "directory": str, "utterances": int, "segments": int,
+                         "tokens": int, "bytes": int, "sha256": str, "created_at": str}, pk=("store", "shard"))
     db["speakers"].create({"name": str, "store": str, "utterances": int, "tokens": int, "enrolled_at": str},
                           pk="name")
     db["utterances"].create({"id": str, "speaker": str, "tokens": int, "source": str, "extra": str})
@@ -87,6 +91,7 @@ class Contents:
     meta: dict
     stores: dict[str, dict]  # name -> row, params already decoded
     speakers: dict[str, dict]
+    shards: list[dict]  # the general store's shards in order; empty for a catalog older than shards
     files: list[dict]
 
 
@@ -155,10 +160,35 @@ def read(root: Path, verify: bool = False) -> Contents:
         for name, row in speakers.items():
             if stores.get(row["store"], {}).get("kind") != "exact":
                 raise DatastoreError(f"{path}: damaged catalog (speaker {name!r} has no exact store)")
+        shards = _read_shards(db, path, stores["general"]) if "shards" in db.table_names() else []
         files = check_files(db, root, verify)
         if verify:
-            verify_catalog(db, root, stores, speakers, files)
-    return Contents(meta, stores, speakers, files)
+            verify_catalog(db, root, stores, speakers, shards, files)
+    return Contents(meta, stores, speakers, shards, files)
+
+
+def _read_shards(db: sqlite_utils.Database, path: Path, general: dict) -> list[dict]:
+    """The general store's shard rows, checked: numbered 0..S-1, as many as the store's params say, each
+    directory inside the datastore."""
+    shards = list(db["shards"].rows_where("store = 'general'", order_by="shard"))
+    if [row["shard"] for row in shards] != list(range(len(shards))) \
+            or general["params"].get("shards", len(shards)) != len(shards):
+        raise DatastoreError(f"{path}: damaged catalog (the general store's shard rows are not numbered "
+                             f"0..{general['params'].get('shards', len(shards)) - 1}); rebuild the datastore")
+    for row in shards:
+        if not inside(row["directory"]):
+            raise DatastoreError(f"{path}: damaged catalog (shard {row['shard']} has directory "
+                                 f"{row['directory']!r}, outside the datastore)")
+        for key in ("utterances", "segments", "tokens", "bytes"):
+            if type(row[key]) is not int or row[key] < 0:
+                raise DatastoreError(f"{path}: damaged catalog (shard {row['shard']} has {key} {row[key]!r})")
+    return shards
+
+
+def shard_digest(files: list[dict]) -> str:
+    """A shard's checksum (the shards table's sha256): the sha256 of its files' names and checksums."""
+    return hashlib.sha256("".join(f"{PurePosixPath(r['path']).name}:{r['sha256']}\n" for r in files)
+                          .encode()).hexdigest()
 
 
 def read_meta(db: sqlite_utils.Database, path: Path | None = None) -> dict:
@@ -217,19 +247,33 @@ def inside(relative) -> bool:
     return bool(path.parts) and not path.is_absolute() and ".." not in path.parts
 
 
-def verify_catalog(db: sqlite_utils.Database, root: Path, stores: dict, speakers: dict, files: list[dict]) -> None:
-    """What `--verify` adds to the file checksums: SQLite's own integrity check, every store file listed
-    (so checksummed), and each speaker's utterance count matching its utterance rows."""
+def verify_catalog(db: sqlite_utils.Database, root: Path, stores: dict, speakers: dict, shards: list[dict],
+                   files: list[dict]) -> None:
+    """What `--verify` adds to the file checksums: SQLite's own integrity check, every store file (every
+    shard's) listed (so checksummed), each shard's checksum and the shards' sum matching the general
+    store's rows, and each speaker's utterance count matching its utterance rows."""
     path = root / CATALOG
     problems = [row[0] for row in db.execute("PRAGMA integrity_check").fetchall()]
     if problems != ["ok"]:
         raise DatastoreError(f"{path}: SQLite integrity check failed ({problems[0]}); rebuild the datastore")
-    listed = {row["path"] for row in files}
+    listed = {row["path"]: row for row in files}
+    directories = {name: [row["directory"]] for name, row in stores.items()}
+    if shards:
+        directories["general"] = [shard["directory"] for shard in shards]
     for name, row in sorted(stores.items()):
-        for file in STORE_FILES[row["kind"]]:
-            if f"{row['directory']}/{file}" not in listed:
-                raise DatastoreError(f"{path}: the catalog lists no {row['directory']}/{file} (store {name!r}), "
-                                     "so it cannot be verified; rebuild the datastore")
+        for directory in directories[name]:
+            for file in STORE_FILES[row["kind"]]:
+                if f"{directory}/{file}" not in listed:
+                    raise DatastoreError(f"{path}: the catalog lists no {directory}/{file} (store {name!r}), "
+                                         "so it cannot be verified; rebuild the datastore")
+    for shard in shards:
+        rows = [listed[f"{shard['directory']}/{file}"] for file in STORE_FILES["exact"]]
+        if shard_digest(rows) != shard["sha256"]:
+            raise DatastoreError(f"{path}: shard {shard['shard']}'s checksum does not match its files' rows; "
+                                 "the catalog is inconsistent")
+    if shards and sum(s["tokens"] for s in shards) != stores["general"]["tokens"]:
+        raise DatastoreError(f"{path}: the shards hold {sum(s['tokens'] for s in shards)} tokens, the general "
+                             f"store {stores['general']['tokens']}; the catalog is inconsistent")
     counts = dict(db.execute("SELECT speaker, count(*) FROM utterances GROUP BY speaker").fetchall())
     for name, row in sorted(speakers.items()):
         if counts.get(name, 0) != row["utterances"]:

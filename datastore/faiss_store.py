@@ -4,8 +4,8 @@ Speech tokens are ambiguous (neighbouring ids sound alike), so an exact suffix m
 where an approximate one would do. A context's vector is its last `window` tokens' embeddings,
 each reduced to `dim` dimensions, scaled by a recency decay, concatenated and L2-normalised; the
 store indexes the vectors of (a deterministic, evenly strided sample of) stream positions that have
-a continuation (at most 200k), with the positions as ids, so a search returns positions whose continuations the
-retriever reads from the general exact store.
+a continuation (at most 200k), with the positions as ids (`shard << 32 | position`), so a search returns
+positions whose continuations the retriever reads from the general exact store's shards.
 
 Embeddings: a user table (.npy, or .safetensors — e.g. the TTS model's input embeddings or the
 codec codebook; rows either cover the local vocabulary or the model's ids from speech_offset) is
@@ -44,6 +44,7 @@ MAX_VECTORS = 200_000
 FLAT_MAX = 8_192
 NPROBE = 8
 SEED = 1234
+SAMPLE_TOKENS = 4_000_000  # of the corpus, for the derived embeddings
 
 
 def load_embeddings(path: str | Path, vocab_size: int, speech_offset: int = 0) -> np.ndarray:
@@ -139,11 +140,10 @@ def reduce(table: np.ndarray, dim: int) -> np.ndarray:
     return (centred / np.maximum(norms, 1e-12)).astype(np.float32)
 
 
-def derived_embeddings(stream: np.ndarray, vocab_size: int, dim: int, sample: int = 4_000_000,
-                       reach: int = 2) -> np.ndarray:
+def derived_embeddings(stream: np.ndarray, vocab_size: int, dim: int, reach: int = 2) -> np.ndarray:
     """Random projection of each token's co-occurrence profile within `reach` tokens (either side)."""
     projection = np.random.default_rng(SEED).standard_normal((vocab_size, dim))
-    table = _cooccurrence_projection(np.asarray(stream[:sample]), projection, reach)
+    table = _cooccurrence_projection(np.asarray(stream[:SAMPLE_TOKENS]), projection, reach)
     return reduce(table, dim)
 
 
@@ -182,29 +182,57 @@ def context_vectors(stream: np.ndarray, positions: np.ndarray, table: np.ndarray
     return out / np.maximum(norms, 1e-12)
 
 
-def write_faiss_store(directory: Path, general_dir: Path, vocab_size: int, embeddings=None,
+def write_faiss_store(directory: Path, shard_dirs: list[Path], vocab_size: int, embeddings=None,
                       speech_offset: int = 0, dim: int = DIM, window: int = WINDOW,
                       max_vectors: int = MAX_VECTORS, flat_max: int = FLAT_MAX) -> dict:
-    """Build the FAISS store of the general exact store in `general_dir`; returns its catalog params."""
-    general = ExactStore(general_dir, vocab_size)
-    stream = np.asarray(general.tokens)
+    """Build the FAISS store of the general exact store, whose shards are in `shard_dirs`; returns its
+    catalog params. A vector's id is `shard << 32 | position in that shard's stream`."""
+    shards = [ExactStore(d, vocab_size) for d in shard_dirs]
     if embeddings is None:
-        table, source = derived_embeddings(stream, vocab_size, dim), "corpus co-occurrence (random projection)"
+        # the first tokens of every shard: a shard is a hash-sample of the corpus, so this sample is too
+        share = -(-SAMPLE_TOKENS // len(shards))
+        sample = np.concatenate([np.asarray(s.tokens[:share]) for s in shards])
+        table, source = derived_embeddings(sample, vocab_size, dim), "corpus co-occurrence (random projection)"
     else:
         table = reduce(load_embeddings(embeddings, vocab_size, speech_offset), dim)
         source = str(embeddings)
-    sentinel = general.sentinel  # positions with a continuation, in stream order
-    positions = np.flatnonzero((stream[:-1] != sentinel) & (stream[1:] != sentinel))
-    if len(positions) > max_vectors:  # evenly strided: deterministic and spread over the corpus
-        positions = positions[np.linspace(0, len(positions) - 1, max_vectors).astype(np.int64)]
-    vectors = context_vectors(stream, positions, table, general.sentinel, window)
+    ids, vectors = _sampled_contexts(shards, table, window, max_vectors)
     index, kind = _make_index(vectors, flat_max)
-    index.add_with_ids(vectors, positions)
+    index.add_with_ids(vectors, ids)
     directory.mkdir(parents=True, exist_ok=True)
     faiss.write_index(index, str(directory / "index.faiss"))
     save_npy(directory / "embeddings.npy", table)
-    return {"vectors": len(positions), "index": kind, "dim": dim, "window": window, "decay": DECAY,
+    return {"vectors": len(ids), "index": kind, "dim": dim, "window": window, "decay": DECAY,
             "nprobe": NPROBE, "embeddings": source}
+
+
+def _sampled_contexts(shards: list[ExactStore], table: np.ndarray, window: int, max_vectors: int):
+    """Ids and vectors of at most `max_vectors` positions with a continuation, evenly strided over all
+    shards in order (deterministic, spread over the corpus). Streams are read a block at a time, so memory
+    stays bounded however large the shards are."""
+    def valid(stream, sentinel):
+        return np.flatnonzero((stream[:-1] != sentinel) & (stream[1:] != sentinel))
+
+    block = 1 << 24
+    counts = [sum(len(valid(s.tokens[a:a + block + 1], s.sentinel)) for a in range(0, len(s.tokens), block))
+              for s in shards]
+    total = sum(counts)
+    wanted = np.arange(total) if total <= max_vectors else np.linspace(0, total - 1, max_vectors).astype(np.int64)
+    ids, vectors, seen = [], [], 0
+    for number, (shard, count) in enumerate(zip(shards, counts)):
+        mine = wanted[(wanted >= seen) & (wanted < seen + count)] - seen  # ranks among this shard's valid
+        stream, passed = shard.tokens, 0
+        for a in range(0, len(stream), block):
+            positions = valid(stream[a:a + block + 1], shard.sentinel) + a
+            chosen = positions[mine[(mine >= passed) & (mine < passed + len(positions))] - passed]
+            passed += len(positions)
+            if len(chosen):
+                ids.append((np.int64(number) << 32) | chosen.astype(np.int64))
+                vectors.append(context_vectors(stream, chosen, table, shard.sentinel, window))
+        seen += count
+    if not ids:
+        return np.zeros(0, np.int64), np.zeros((0, window * table.shape[1]), np.float32)
+    return np.concatenate(ids), np.concatenate(vectors)
 
 
 def _make_index(vectors: np.ndarray, flat_max: int):
@@ -245,7 +273,8 @@ class FaissStore:
                                     f"vocabulary); run `echospec info --verify`")
 
     def search(self, context: np.ndarray, k: int) -> np.ndarray:
-        """int64 positions (in the general stream) of up to k contexts nearest to `context`'s end."""
+        """int64 ids (`shard << 32 | position` in the general store) of up to k contexts nearest to
+        `context`'s end."""
         query = _query_vector(np.asarray(context, np.int64), self.table, self.scales)
         _, ids = self.index.search(query, k)
         return ids[0][ids[0] >= 0]

@@ -41,8 +41,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
-from ..datastore import DamagedStoreError, Datastore, open_datastore
+from ..datastore import DamagedStoreError, Datastore, ExactStore, open_datastore
 from . import kernels
 from .tree import CandidateTree
 
@@ -88,18 +87,11 @@ class Retriever:
             raise ValueError("weights must be 4 non-negative numbers (prompt, speaker, general, faiss)")
         self.vocab_size, self.codebooks = ds.vocab_size, ds.codebooks
         self._width = ds.vocab_size // ds.codebooks  # ids per codebook
-        self._general = (ds.general.tokens, ds.general.sa, ds.general.first)
+        self._general = kernel_store(ds.shards)  # ds (self.datastore) keeps the shards mapped
+        self._speaker_stores: dict[str, tuple] = {}
+        shards = ds.shards  # named in errors: the one shard's directory, or the one holding them all
+        self._general_dir = shards[0].directory if len(shards) == 1 else shards[0].directory.parent
         self.propose(np.zeros(1, np.int64))  # JIT warm-up (numba's cache): the first request pays nothing
-
-    def _neighbours(self, ctx: np.ndarray) -> np.ndarray:
-        """Stream positions of the FAISS store's nearest contexts. With interleaved codebooks, only those
-        ending in the context's own codebook (asked for codebooks x as many, so enough remain): their
-        continuations then start in the codebook due next."""
-        if self.codebooks == 1:
-            return self.faiss.search(ctx, self.faiss_k)
-        positions = self.faiss.search(ctx, self.faiss_k * self.codebooks)
-        same = np.asarray(self._general[0][positions]) // self._width == ctx[-1] // self._width
-        return positions[same][: self.faiss_k]
 
     @property
     def speakers(self) -> tuple[str, ...]:
@@ -125,13 +117,7 @@ class Retriever:
         max_depth = self.max_depth if max_depth is None else int(max_depth)
         if len(ctx) == 0 or max_nodes <= 0 or max_depth <= 0:
             return CandidateTree.empty()
-        speaker_store = self._general
-        store = None
-        if speaker is not None:
-            store = self.datastore.speaker_store(speaker)
-            if store is None:
-                raise ValueError(f"unknown speaker {speaker!r}")
-            speaker_store = (store.tokens, store.sa, store.first)
+        speaker_store = self._general if speaker is None else self._speaker(speaker)
         faiss = self.faiss
         conts, stats = kernels.gather_exact(
             ctx=ctx, general=self._general, speaker=speaker_store, use_speaker=speaker is not None,
@@ -139,15 +125,21 @@ class Retriever:
             min_support=self.min_support, cap=self.cap, window=self.prompt_window, max_depth=max_depth,
             extra_rows=0 if faiss is None else self.faiss_k, vocab_size=self.vocab_size)
         if stats[kernels.FAISS, kernels.FIRST_ROW] == kernels.DAMAGED:
-            damaged = store if stats[kernels.SPEAKER, kernels.ROWS] == kernels.DAMAGED else self.datastore.general
-            raise DamagedStoreError(f"{damaged.directory}: store is damaged (an entry of its suffix array, "
-                                    f"first-token table or token stream is out of range); "
-                                    f"run `echospec info --verify {self.datastore.root}`")
+            speaker_damaged = stats[kernels.SPEAKER, kernels.ROWS] == kernels.DAMAGED
+            raise self._damaged(self._speaker_stores[speaker][1].directory if speaker_damaged else self._general_dir,
+                                "an entry of its suffix array, first-token table or token stream is out of range")
         exact_match = max(stats[kernels.SPEAKER, kernels.MATCH], stats[kernels.GENERAL, kernels.MATCH])
         if faiss is not None and exact_match < self.faiss_below:
-            rows = kernels.gather_positions(tokens=self._general[0], positions=self._neighbours(ctx),
-                                            vocab=self.vocab_size, out=conts,
+            # with interleaved codebooks only neighbours ending in the context's own codebook are taken (their
+            # continuations start in the codebook due next): ask for codebooks x as many, so enough remain
+            rows = kernels.gather_positions(store=self._general,
+                                            positions=faiss.search(ctx, self.faiss_k * self.codebooks),
+                                            vocab_size=self.vocab_size, width=self._width,
+                                            book=ctx[-1] // self._width, out=conts,
                                             row0=stats[kernels.FAISS, kernels.FIRST_ROW])
+            if rows == kernels.DAMAGED:
+                raise self._damaged(f"{self.datastore.root / 'faiss'} or the general store",
+                                    "a neighbour's id or its continuation is out of range")
             # a neighbour's match is one token, its support the rows found
             stats[kernels.FAISS, kernels.ROWS:] = (rows, 1, rows)
         if self.codebooks > 1:
@@ -157,3 +149,24 @@ class Retriever:
         return CandidateTree.trusted(kernels.finish(conts=conts, stats=stats, weights=self.weights,
                                                     max_nodes=max_nodes))
 
+    def _speaker(self, speaker: str) -> tuple:
+        cached = self._speaker_stores.get(speaker)
+        if cached is None:
+            exact = self.datastore.speaker_store(speaker)
+            if exact is None:
+                raise ValueError(f"unknown speaker {speaker!r}")
+            # the store itself stays beside its view: the view holds addresses of its mapped arrays
+            cached = self._speaker_stores.setdefault(speaker, (kernel_store((exact,)), exact))
+        return cached[0]
+
+    def _damaged(self, where, what: str) -> DamagedStoreError:
+        return DamagedStoreError(f"{where}: store is damaged ({what}); "
+                                 f"run `echospec info --verify {self.datastore.root}`")
+
+
+def kernel_store(shards: tuple[ExactStore, ...]) -> tuple:
+    """The kernels' view of a store (see kernels.TOKENS): a table of its shards' array addresses and
+    lengths, and shard 0's arrays for their dtypes. The caller keeps `shards` alive while it uses the view."""
+    table = np.array([[a.ctypes.data if len(a) else 0, len(a)] for shard in shards
+                      for a in (shard.tokens, shard.sa, shard.first)], np.int64).reshape(len(shards), 6)
+    return table, shards[0].tokens, shards[0].sa, shards[0].first

@@ -69,7 +69,7 @@ def test_the_catalog_records_the_layout_and_markers_are_dropped(tmp_path):
     vocab = ds.info()["vocabulary"]
     assert (vocab["codebooks"], vocab["drop_ids"], vocab["stop_ids"]) == (CODEBOOKS, list(MARKERS), [ORPHEUS_STOP])
     assert ds.codebooks == CODEBOOKS and ds.meta["layout_breaks"] == 0
-    stream = np.asarray(ds.general.tokens)
+    stream = np.asarray(ds.shards[0].tokens)
     speech = stream[stream < CODEBOOKS * CODES]
     assert speech.size == ds.info()["tokens"] and set(np.unique(speech // CODES)) == set(range(CODEBOOKS))
     with pytest.raises(CorpusError, match="below the speech range.*--drop-id"):  # without --drop-id: refused
@@ -131,3 +131,20 @@ def test_the_build_command_takes_codebooks_and_drop_ids(tmp_path):
     assert "in 7 interleaved codebooks" in shown and "dropped ids [128257, 128261, 128262]" in shown
     refused = CliRunner().invoke(main, command[:3] + ["--vocab-size", "100", "--codebooks", "7", "--quiet"])
     assert refused.exit_code == 1 and "codebooks must" in refused.output and "Traceback" not in refused.output
+
+
+def test_a_sharded_store_keeps_the_layout(tmp_path):
+    one = build_orpheus(tmp_path, name="one")
+    four = build_orpheus(tmp_path, name="four", shards=4, workers=1)
+    assert four.codebooks == CODEBOOKS and four.meta["layout_breaks"] == one.meta["layout_breaks"]
+    exact = dict(max_nodes=64, min_support=4, cap=10**6, use_faiss=False)
+    r1, r4 = Retriever(one, **exact), Retriever(four, **exact)
+    with_faiss = Retriever(four, faiss_below=99, max_nodes=64, min_support=4)  # FAISS neighbours over 4 shards
+    bad, seen = [], set()
+    for context in contexts(np.random.default_rng(2), n=100):
+        for speaker in (None, "s1"):
+            assert r4.propose(context, speaker=speaker).to_dict() == r1.propose(context, speaker=speaker).to_dict()
+            tree = with_faiss.propose(context, speaker=speaker)
+            seen |= {SOURCES[s] for s in tree.sources}
+            bad += violations(tree, context)
+    assert "faiss" in seen and not bad

@@ -56,8 +56,8 @@ def test_offset_vocabulary_and_stop_ids(tmp_path):
                faiss=False, progress=False)
     assert ds.info()["tokens"] == 5 and ds.info()["vocabulary"]["stop_ids"] == [128261]
     assert ds.info()["vocabulary"]["dtype"] == "uint32"  # 65536 ids + a sentinel do not fit uint16
-    stream = np.asarray(ds.general.tokens).tolist()
-    sentinel = ds.general.sentinel
+    stream = np.asarray(ds.shards[0].tokens).tolist()
+    sentinel = ds.shards[0].sentinel
     assert stream == [sentinel, 0, 1, 2, sentinel, 6, 7, sentinel]  # the stop id split the utterance
 
 

@@ -165,19 +165,22 @@ print(json.dumps(report))
 
 
 def test_flipped_bytes_in_every_store_file_are_answered_or_refused_in_one_line(tmp_path):
-    """Every file of a store with per-speaker stores and an IVF FAISS index; offsets in each header and
+    """Every file of a store with per-speaker stores, a general store in two shards and an IVF FAISS index
+    over both (ids `shard << 32 | position`); offsets in each header and
     sampled across the data; each trial runs open_datastore(verify=True), Retriever.propose (general and
-    speaker), `echospec info` and `echospec query`. Bounded: about 100 trials in one child process."""
+    speaker), `echospec info` and `echospec query`. Bounded: about 150 trials in one child process."""
     rng = np.random.default_rng(12)
     utterances = [{"id": f"u{i}", "speaker": f"s{i % 3}", "tokens": rng.integers(0, 64, 40).tolist()}
                   for i in range(60)]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps(u) + "\n" for u in utterances))
     store = tmp_path / "store"
-    ds = build(corpus, store, progress=False, faiss_options={"flat_max": 64, "dim": 4})  # IVF: more structure
+    ds = build(corpus, store, shards=2, workers=1, progress=False,
+               faiss_options={"flat_max": 64, "dim": 4})  # IVF: more structure
     assert ds.faiss_store().index.__class__.__name__.startswith("IndexIVF")
     speaker = ds.speaker_store("s0").directory.relative_to(store).as_posix()
-    names = ["catalog.sqlite", "general/tokens.npy", "general/sa.npy", "general/first.npy",
+    names = ["catalog.sqlite", *(f"general/shard-{i:05d}/{file}" for i in range(2)
+                                 for file in ("tokens.npy", "sa.npy", "first.npy")),
              f"{speaker}/tokens.npy", f"{speaker}/sa.npy", f"{speaker}/first.npy",
              "faiss/index.faiss", "faiss/embeddings.npy"]
     files = {}

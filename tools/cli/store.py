@@ -41,23 +41,32 @@ from .errors import fail_cleanly
               help="Interleaved codebooks in the speech ids, cycling in order (Orpheus: 7).")
 @click.option("--n-min", default=None, type=int, help="Shortest context suffix matched [1].")
 @click.option("--n-max", default=None, type=int, help="Longest context suffix matched [8].")
+@click.option("--shards", default=1, show_default=True, type=click.IntRange(1, 65536),
+              help="Split the general store into this many shards (each holds < 2^31 tokens).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="auto", default=None, metavar="[auto|ADDRESS]",
+              help="Run the build's tasks on Ray: the running cluster (auto, the default) or ADDRESS.")
+@click.option("--workers", type=click.IntRange(1), help="Local worker processes without --ray [one per shard, "
+              "up to the cores].")
 @click.option("--force", is_flag=True, help="Replace STORE if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @fail_cleanly
 def build(corpus, store, per_speaker, faiss, embeddings, faiss_dim, faiss_max_vectors, speech_offset, vocab_size,
-          stop_ids, drop_ids, codebooks, n_min, n_max, force, quiet):
-    """Build datastore STORE from CORPUS files (.jsonl, a .jsonl manifest of .npy files, or .npz)."""
+          stop_ids, drop_ids, codebooks, n_min, n_max, shards, ray_address, workers, force, quiet):
+    """Build datastore STORE from CORPUS files or globs (.jsonl, a .jsonl manifest of .npy files, .npz,
+    .parquet)."""
     from ...datastore import N_MAX, N_MIN
     started = time.perf_counter()
     ds = build_datastore(list(corpus), store, per_speaker=per_speaker, faiss=faiss, embeddings=embeddings,
                          speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
                          drop_ids=drop_ids, codebooks=codebooks, n_min=N_MIN if n_min is None else n_min,
-                         n_max=N_MAX if n_max is None else n_max, force=force, progress=not quiet,
+                         n_max=N_MAX if n_max is None else n_max, shards=shards, ray=ray_address,
+                         workers=workers, force=force, progress=not quiet,
                          faiss_options={k: v for k, v in (("dim", faiss_dim), ("max_vectors", faiss_max_vectors))
                                         if v is not None})
     info = ds.info()
-    click.echo(f"built {store}: {info['utterances']} utterances, {info['tokens']} tokens, "
-               f"{len(info['speakers'])} speaker stores, {info['general_bytes_per_token']} B/token general"
+    click.echo(f"built {store}: {info['utterances']} utterances, {info['tokens']} tokens"
+               + (f" in {len(info['shards'])} shards" if len(info['shards']) > 1 else "")
+               + f", {len(info['speakers'])} speaker stores, {info['general_bytes_per_token']} B/token general"
                + (f", FAISS {info['faiss_bytes'] / 1e6:.1f} MB" if ds.has_faiss else "")
                + f" in {time.perf_counter() - started:.1f} s")
 
@@ -103,8 +112,15 @@ def info(store, as_json, verify):
     for row in data["stores"]:
         count = row.get("tokens", row.get("vectors"))
         click.echo(f"  {row['name']:<{width}} {row['kind']:<6} {row['utterances']:>10} {count:>12} {row['bytes']:>12}")
+    if len(data["shards"]) > 1:
+        click.echo(f"  general store in {len(data['shards'])} shards:")
+        click.echo(f"  {'shard':>7} {'utterances':>10} {'tokens':>12} {'bytes':>12}  {'sha256':<16} directory")
+        for row in data["shards"]:
+            click.echo(f"  {row['shard']:>7} {row['utterances']:>10} {row['tokens']:>12} {row['bytes']:>12}  "
+                       f"{row['sha256'][:16]} {row['directory']}")
     if verify:
-        click.echo("  checksums   all files verified")
+        click.echo("  checksums   all files verified"
+                   + (f" (every shard's too: {len(data['shards'])})" if len(data["shards"]) > 1 else ""))
 
 
 HELP = """type token ids (spaces or commas) to see the proposal for that context;
