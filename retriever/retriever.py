@@ -91,6 +91,11 @@ class Retriever:
         self._speaker_stores: dict[str, tuple] = {}
         shards = ds.shards  # named in errors: the one shard's directory, or the one holding them all
         self._general_dir = shards[0].directory if len(shards) == 1 else shards[0].directory.parent
+        # the settings every proposal passes to the kernels, fixed here: changing an attribute later has no effect
+        self._settings = kernels.gather_settings(
+            use_prompt=self.prompt_lookup, n_min=self.n_min, n_max=self.n_max, prompt_n_min=self.prompt_n_min,
+            min_support=self.min_support, cap=self.cap, window=self.prompt_window,
+            extra_rows=0 if self.faiss is None else self.faiss_k, vocab_size=self.vocab_size)
         self.propose(np.zeros(1, np.int64))  # JIT warm-up (numba's cache): the first request pays nothing
 
     @property
@@ -119,11 +124,9 @@ class Retriever:
             return CandidateTree.empty()
         speaker_store = self._general if speaker is None else self._speaker(speaker)
         faiss = self.faiss
-        conts, stats = kernels.gather_exact(
-            ctx=ctx, general=self._general, speaker=speaker_store, use_speaker=speaker is not None,
-            use_prompt=self.prompt_lookup, n_min=self.n_min, n_max=self.n_max, prompt_n_min=self.prompt_n_min,
-            min_support=self.min_support, cap=self.cap, window=self.prompt_window, max_depth=max_depth,
-            extra_rows=0 if faiss is None else self.faiss_k, vocab_size=self.vocab_size)
+        # positional: the two calls every proposal makes (numba dispatches keyword arguments slower)
+        conts, stats = kernels.gather_exact(ctx, self._general, speaker_store, speaker is not None, max_depth,
+                                            self._settings)
         if stats[kernels.FAISS, kernels.FIRST_ROW] == kernels.DAMAGED:
             speaker_damaged = stats[kernels.SPEAKER, kernels.ROWS] == kernels.DAMAGED
             raise self._damaged(self._speaker_stores[speaker][1].directory if speaker_damaged else self._general_dir,
@@ -146,8 +149,7 @@ class Retriever:
             kernels.keep_layout(conts=conts, n_rows=stats[kernels.FAISS, kernels.FIRST_ROW] +
                                 stats[kernels.FAISS, kernels.ROWS], last=ctx[-1], width=self._width,
                                 codebooks=self.codebooks)
-        return CandidateTree.trusted(kernels.finish(conts=conts, stats=stats, weights=self.weights,
-                                                    max_nodes=max_nodes))
+        return CandidateTree.trusted(kernels.finish(conts, stats, self.weights, max_nodes))
 
     def _speaker(self, speaker: str) -> tuple:
         cached = self._speaker_stores.get(speaker)
