@@ -122,6 +122,7 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
     from ..decoder import generate
 
     forwards = [0]
+    auto_curves = []
     model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
 
     def hf(**extra):
@@ -144,6 +145,8 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
                               speaker=prompt.speaker if store == "speaker" else None,
                               max_new_tokens=max_new_tokens, max_nodes=nodes, max_depth=depth)
             stats = result.stats
+            if nodes == "auto" and stats.cost_curve:
+                auto_curves.append(stats.cost_curve)
             return result.tokens, stats.target_forwards, stats.wall_seconds, stats.accepted_lengths, stats.node_budgets
         return run
 
@@ -167,7 +170,7 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
                 if (nodes, depth) != (max_nodes, max_depth):
                     name = f"{policy}/{stores[0]}/n{nodes}d{depth}"
                     systems.append(System(name, baseline, lossless, echospec(policy, stores[0], nodes, depth)))
-    return systems
+    return systems, auto_curves
 
 
 def verify_cost_curve(model, speech, prompts: list[Prompt], largest: int, context: int = 150):
@@ -181,7 +184,7 @@ def verify_cost_curve(model, speech, prompts: list[Prompt], largest: int, contex
 
     prompt = max(prompts, key=lambda p: len(p.reference or ()))
     ids = prompt.input_ids + speech.to_model((prompt.reference or [])[:context])
-    session = SpeculativeSession(model, None, ExactGreedy(), speech, max_new_tokens=1)
+    session = SpeculativeSession(model, None, ExactGreedy(), speech=speech, max_new_tokens=1)
     session.prefill(input_ids=ids)
     sizes = sorted({s for s in CURVE_SIZES if s < largest} | {largest})
     return session.measure_cost_curve(sizes, repeats=20), len(ids)
@@ -198,7 +201,7 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
 
     from ..decoder import SpeechVocab
     from ..decoder.scoring import mean_log_likelihood
-    from ..decoder.session import node_cap
+    from ..decoder.cost import node_cap
     from ..retriever import Retriever
     from .speech_tokenizer import SpeechTokenizer
     from .tts_prompt import META_FILE, load_sample_tts
@@ -215,7 +218,7 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
     retriever = Retriever(store)
     mel = SpeechTokenizer.load(tokenizer).tokens_to_logmel if tokenizer else None
     relaxed = RelaxedSettings.for_vocabulary(speech.size, tau, beta, similarity)
-    systems = _systems(model, retriever, speech, list(policies), list(stores), sweep_nodes, sweep_depths,
+    systems, auto_curves = _systems(model, retriever, speech, list(policies), list(stores), sweep_nodes, sweep_depths,
                        list(sweep_policies), max_nodes, max_depth, max_new_tokens, relaxed)
 
     for system in systems:  # warm-up: first calls pay for lazy initialisation and numba compilation
@@ -241,6 +244,7 @@ def bench(checkpoint, store, prompts_path, *, tokenizer=None, policies=POLICIES,
     report = summarise(systems, rows, token_rate=meta.frame_rate)
     report["machine"] = {"threads": threads, "torch": torch.__version__, "cpus": os.cpu_count()}
     report["verify_cost_curve"] = curve.to_dict() | {"context_tokens": curve_context}
+    report["auto_cost_curve"] = auto_curves[-1] if auto_curves else None  # what max_nodes="auto" measured
     report["setup"] = {"checkpoint": str(checkpoint), "store": str(store), "prompts": str(prompts_path),
                        "utterances": len(prompts), "max_nodes": max_nodes, "max_depth": max_depth, "seed": seed,
                        "relaxed": asdict(relaxed)}
