@@ -2,6 +2,7 @@
 
     from echospec.datastore import build, enroll, open_datastore
     ds = build("corpus.jsonl", "store_dir")          # general + per-speaker exact stores, FAISS store
+    ds = build("corpus/*.parquet", "big", shards=32, ray="auto")  # general store in 32 shards, built on Ray
     enroll("store_dir", "ann", "ann_more.jsonl")      # add a speaker's utterances; general store untouched
     ds = open_datastore("store_dir"); ds.info()
 
@@ -10,9 +11,9 @@ Knows files and the catalog, nothing of models; imports no torch.
 
 from .catalog import FORMAT_VERSION
 from .corpus import Utterance, Vocabulary, read_corpus
-from .errors import CorpusError, DatastoreError
+from .errors import CorpusError, DamagedStoreError, DatastoreError
 from .exact import ExactStore
 from .store import N_MAX, N_MIN, Datastore, build, enroll, open_datastore
 
-__all__ = ["FORMAT_VERSION", "N_MAX", "N_MIN", "CorpusError", "Datastore", "DatastoreError", "ExactStore",
-           "Utterance", "Vocabulary", "build", "enroll", "open_datastore", "read_corpus"]
+__all__ = ["FORMAT_VERSION", "N_MAX", "N_MIN", "CorpusError", "DamagedStoreError", "Datastore", "DatastoreError",
+           "ExactStore", "Utterance", "Vocabulary", "build", "enroll", "open_datastore", "read_corpus"]

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from .errors import DatastoreError
+from .errors import DamagedStoreError, DatastoreError, one_line
 
 FILES = ("tokens.npy", "sa.npy", "first.npy")
 MAX_TOKENS = 2**31 - 2  # int32 suffix array
@@ -203,6 +203,18 @@ def write_exact_store(directory: Path, segments: Sequence[np.ndarray], vocab_siz
     return {"tokens": int(sum(len(s) for s in segments)), "segments": len(segments)}
 
 
+def load_npy(path: Path, mmap: bool = False) -> np.ndarray:
+    """A stored array (memory-mapped with `mmap`), or DamagedStoreError in one line: numpy's header
+    parser answers a damaged header with any of half a dozen exception types, some over several lines."""
+    try:
+        arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except Exception as e:
+        raise DamagedStoreError(f"{path}: unreadable array, damaged or not a .npy file ({one_line(e)})") from None
+    if not isinstance(arr, np.ndarray):  # np.load opens anything with a zip header as an archive
+        raise DamagedStoreError(f"{path}: unreadable array (not a .npy file)")
+    return np.asarray(arr)
+
+
 def save_npy(path: Path, arr: np.ndarray) -> None:
     with open(path, "wb") as f:
         np.save(f, arr, allow_pickle=False)
@@ -215,18 +227,25 @@ class ExactStore:
 
     def __init__(self, directory: str | Path, vocab_size: int):
         self.directory = Path(directory)
-        try:  # plain ndarray views of the maps: numba dispatches them ~3 us faster than np.memmap
-            self.tokens, self.sa, self.first = (
-                np.asarray(np.load(self.directory / name, mmap_mode="r", allow_pickle=False)) for name in FILES)
-        except (OSError, ValueError) as e:
-            raise DatastoreError(f"{self.directory}: cannot map exact store: {e}") from None
+        # plain ndarray views of the maps: numba dispatches them ~3 us faster than np.memmap
+        self.tokens, self.sa, self.first = (load_npy(self.directory / name, mmap=True) for name in FILES)
         if self.first.shape not in ((vocab_size + 1,), (0,)) or self.tokens.dtype != stream_dtype(vocab_size):
             raise DatastoreError(f"{self.directory}: exact store does not match the catalog's vocabulary")
+        # What a header can get wrong that the kernels cannot survive (their entries they check per read).
+        if (self.tokens.ndim != 1 or self.sa.ndim != 1 or self.sa.dtype != np.int32 or self.first.dtype != np.int64
+                or len(self.sa) >= len(self.tokens)):
+            raise DamagedStoreError(f"{self.directory}: exact store is damaged (array shapes or types are wrong); "
+                                    f"run `echospec info --verify`")
         self.vocab_size = vocab_size
         self.sentinel = int(np.iinfo(self.tokens.dtype).max)
 
     def segments(self) -> list[np.ndarray]:
-        """The stored segments (used to append to a speaker's store)."""
+        """The stored segments (used to append to a speaker's store); DamagedStoreError if a stored id is
+        outside the vocabulary (it would corrupt the sort of the store they go into)."""
         stream = np.asarray(self.tokens)
         cuts = np.flatnonzero(stream == self.sentinel)
-        return [stream[a + 1:b].astype(np.int64) for a, b in itertools.pairwise(cuts) if b > a + 1]
+        segments = [stream[a + 1:b].astype(np.int64) for a, b in itertools.pairwise(cuts) if b > a + 1]
+        if any(s.max() >= self.vocab_size for s in segments):
+            raise DamagedStoreError(f"{self.directory}: exact store is damaged (a stored id is outside the "
+                                    f"vocabulary); run `echospec info --verify`")
+        return segments

@@ -4,8 +4,8 @@ Speech tokens are ambiguous (neighbouring ids sound alike), so an exact suffix m
 where an approximate one would do. A context's vector is its last `window` tokens' embeddings,
 each reduced to `dim` dimensions, scaled by a recency decay, concatenated and L2-normalised; the
 store indexes the vectors of (a deterministic, evenly strided sample of) stream positions that have
-a continuation (at most 200k), with the positions as ids, so a search returns positions whose continuations the
-retriever reads from the general exact store.
+a continuation (at most 200k), with the positions as ids (`shard << 32 | position`), so a search returns
+positions whose continuations the retriever reads from the general exact store's shards.
 
 Embeddings: a user table (.npy, or .safetensors — e.g. the TTS model's input embeddings or the
 codec codebook; rows either cover the local vocabulary or the model's ids from speech_offset) is
@@ -34,8 +34,8 @@ import faiss
 import numpy as np
 from numba import njit
 
-from .errors import DatastoreError
-from .exact import ExactStore, save_npy
+from .errors import DamagedStoreError, DatastoreError, one_line
+from .exact import ExactStore, load_npy, save_npy
 
 DIM = 16
 WINDOW = 4
@@ -44,6 +44,7 @@ MAX_VECTORS = 200_000
 FLAT_MAX = 8_192
 NPROBE = 8
 SEED = 1234
+SAMPLE_TOKENS = 4_000_000  # of the corpus, for the derived embeddings
 
 
 def load_embeddings(path: str | Path, vocab_size: int, speech_offset: int = 0) -> np.ndarray:
@@ -69,9 +70,9 @@ def load_embeddings(path: str | Path, vocab_size: int, speech_offset: int = 0) -
 
 def _read_npy(path: Path) -> np.ndarray:
     try:
-        return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise DatastoreError(f"{path}: cannot read embeddings: {e}") from None
+        return load_npy(path)
+    except DatastoreError as e:
+        raise DatastoreError(f"cannot read embeddings: {e}") from None
 
 
 _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
@@ -79,24 +80,51 @@ _SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, 
 
 def _read_safetensors(path: Path) -> np.ndarray:
     """The largest 2-D float tensor of a .safetensors file (bf16 included: numpy has no bf16,
-    so it is widened by hand; no torch needed)."""
+    so it is widened by hand; no torch needed). Sizes and offsets are checked against the file's
+    length before anything is read: a damaged header must not make it allocate more than the file holds."""
+    file_size = path.stat().st_size
     try:
         with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError("shorter than its 8-byte header length")
+            (size,) = struct.unpack("<Q", head)
+            if size > file_size - 8:
+                raise ValueError(f"the header declares {size} bytes, the file holds {file_size}")
             header = json.loads(f.read(size))
-            candidates = [(k, v) for k, v in header.items()
-                          if k != "__metadata__" and len(v["shape"]) == 2 and v["dtype"] in _SAFETENSORS_DTYPES]
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+            candidates = [entry for key, value in header.items() if key != "__metadata__"
+                          and (entry := _float_matrix(value, file_size - 8 - size)) is not None]
             if not candidates:
                 raise DatastoreError(f"{path}: no 2-D float tensor in the file")
-            _, meta = max(candidates, key=lambda kv: kv[1]["shape"][0] * kv[1]["shape"][1])
-            begin, end = meta["data_offsets"]
+            shape, dtype, begin, end = max(candidates, key=lambda entry: entry[0][0] * entry[0][1])
             f.seek(8 + size + begin)
-            raw = np.frombuffer(f.read(end - begin), _SAFETENSORS_DTYPES[meta["dtype"]])
-    except (OSError, ValueError, KeyError, struct.error) as e:
-        raise DatastoreError(f"{path}: not a readable .safetensors file ({e})") from None
-    if meta["dtype"] == "BF16":
+            raw = np.frombuffer(f.read(end - begin), dtype)
+    except (OSError, ValueError, struct.error) as e:
+        raise DatastoreError(f"{path}: not a readable .safetensors file ({one_line(e)})") from None
+    if dtype == np.uint16:  # BF16
         raw = (raw.astype(np.uint32) << 16).view(np.float32)
-    return raw.reshape(meta["shape"])
+    return raw.reshape(shape)
+
+
+def _float_matrix(entry, data_bytes: int):
+    """(shape, dtype, begin, end) of a header entry describing a 2-D float tensor that lies inside the
+    file's `data_bytes` and fills its offsets exactly; None for any other entry. ValueError if malformed."""
+    if not isinstance(entry, dict):
+        raise ValueError("a tensor entry is not a JSON object")
+    shape, dtype, offsets = entry.get("shape"), _SAFETENSORS_DTYPES.get(entry.get("dtype")), entry.get("data_offsets")
+    if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)):
+        raise ValueError("a tensor entry lacks an integer shape or data_offsets")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_bytes:
+        raise ValueError(f"a tensor's data_offsets {offsets} lie outside the file's {data_bytes} data bytes")
+    if len(shape) != 2 or dtype is None:
+        return None
+    if shape[0] * shape[1] * np.dtype(dtype).itemsize != end - begin:
+        raise ValueError(f"a tensor's shape {shape} does not fill its data_offsets {offsets}")
+    return shape, dtype, begin, end
 
 
 def reduce(table: np.ndarray, dim: int) -> np.ndarray:
@@ -112,11 +140,10 @@ def reduce(table: np.ndarray, dim: int) -> np.ndarray:
     return (centred / np.maximum(norms, 1e-12)).astype(np.float32)
 
 
-def derived_embeddings(stream: np.ndarray, vocab_size: int, dim: int, sample: int = 4_000_000,
-                       reach: int = 2) -> np.ndarray:
+def derived_embeddings(stream: np.ndarray, vocab_size: int, dim: int, reach: int = 2) -> np.ndarray:
     """Random projection of each token's co-occurrence profile within `reach` tokens (either side)."""
     projection = np.random.default_rng(SEED).standard_normal((vocab_size, dim))
-    table = _cooccurrence_projection(np.asarray(stream[:sample]), projection, reach)
+    table = _cooccurrence_projection(np.asarray(stream[:SAMPLE_TOKENS]), projection, reach)
     return reduce(table, dim)
 
 
@@ -155,29 +182,57 @@ def context_vectors(stream: np.ndarray, positions: np.ndarray, table: np.ndarray
     return out / np.maximum(norms, 1e-12)
 
 
-def write_faiss_store(directory: Path, general_dir: Path, vocab_size: int, embeddings=None,
+def write_faiss_store(directory: Path, shard_dirs: list[Path], vocab_size: int, embeddings=None,
                       speech_offset: int = 0, dim: int = DIM, window: int = WINDOW,
                       max_vectors: int = MAX_VECTORS, flat_max: int = FLAT_MAX) -> dict:
-    """Build the FAISS store of the general exact store in `general_dir`; returns its catalog params."""
-    general = ExactStore(general_dir, vocab_size)
-    stream = np.asarray(general.tokens)
+    """Build the FAISS store of the general exact store, whose shards are in `shard_dirs`; returns its
+    catalog params. A vector's id is `shard << 32 | position in that shard's stream`."""
+    shards = [ExactStore(d, vocab_size) for d in shard_dirs]
     if embeddings is None:
-        table, source = derived_embeddings(stream, vocab_size, dim), "corpus co-occurrence (random projection)"
+        # the first tokens of every shard: a shard is a hash-sample of the corpus, so this sample is too
+        share = -(-SAMPLE_TOKENS // len(shards))
+        sample = np.concatenate([np.asarray(s.tokens[:share]) for s in shards])
+        table, source = derived_embeddings(sample, vocab_size, dim), "corpus co-occurrence (random projection)"
     else:
         table = reduce(load_embeddings(embeddings, vocab_size, speech_offset), dim)
         source = str(embeddings)
-    sentinel = general.sentinel  # positions with a continuation, in stream order
-    positions = np.flatnonzero((stream[:-1] != sentinel) & (stream[1:] != sentinel))
-    if len(positions) > max_vectors:  # evenly strided: deterministic and spread over the corpus
-        positions = positions[np.linspace(0, len(positions) - 1, max_vectors).astype(np.int64)]
-    vectors = context_vectors(stream, positions, table, general.sentinel, window)
+    ids, vectors = _sampled_contexts(shards, table, window, max_vectors)
     index, kind = _make_index(vectors, flat_max)
-    index.add_with_ids(vectors, positions)
+    index.add_with_ids(vectors, ids)
     directory.mkdir(parents=True, exist_ok=True)
     faiss.write_index(index, str(directory / "index.faiss"))
     save_npy(directory / "embeddings.npy", table)
-    return {"vectors": len(positions), "index": kind, "dim": dim, "window": window, "decay": DECAY,
+    return {"vectors": len(ids), "index": kind, "dim": dim, "window": window, "decay": DECAY,
             "nprobe": NPROBE, "embeddings": source}
+
+
+def _sampled_contexts(shards: list[ExactStore], table: np.ndarray, window: int, max_vectors: int):
+    """Ids and vectors of at most `max_vectors` positions with a continuation, evenly strided over all
+    shards in order (deterministic, spread over the corpus). Streams are read a block at a time, so memory
+    stays bounded however large the shards are."""
+    def valid(stream, sentinel):
+        return np.flatnonzero((stream[:-1] != sentinel) & (stream[1:] != sentinel))
+
+    block = 1 << 24
+    counts = [sum(len(valid(s.tokens[a:a + block + 1], s.sentinel)) for a in range(0, len(s.tokens), block))
+              for s in shards]
+    total = sum(counts)
+    wanted = np.arange(total) if total <= max_vectors else np.linspace(0, total - 1, max_vectors).astype(np.int64)
+    ids, vectors, seen = [], [], 0
+    for number, (shard, count) in enumerate(zip(shards, counts)):
+        mine = wanted[(wanted >= seen) & (wanted < seen + count)] - seen  # ranks among this shard's valid
+        stream, passed = shard.tokens, 0
+        for a in range(0, len(stream), block):
+            positions = valid(stream[a:a + block + 1], shard.sentinel) + a
+            chosen = positions[mine[(mine >= passed) & (mine < passed + len(positions))] - passed]
+            passed += len(positions)
+            if len(chosen):
+                ids.append((np.int64(number) << 32) | chosen.astype(np.int64))
+                vectors.append(context_vectors(stream, chosen, table, shard.sentinel, window))
+        seen += count
+    if not ids:
+        return np.zeros(0, np.int64), np.zeros((0, window * table.shape[1]), np.float32)
+    return np.concatenate(ids), np.concatenate(vectors)
 
 
 def _make_index(vectors: np.ndarray, flat_max: int):
@@ -196,20 +251,30 @@ def _make_index(vectors: np.ndarray, flat_max: int):
 class FaissStore:
     """An opened FAISS store; `search` returns stream positions of the nearest stored contexts."""
 
-    def __init__(self, directory: Path, params: dict):
+    def __init__(self, directory: Path, params: dict, vocab_size: int):
         try:
             # Read into memory: a memory-mapped IVF index searches ~10x slower (measured 260 vs 24 us).
             self.index = faiss.read_index(str(directory / "index.faiss"))
         except RuntimeError as e:
-            raise DatastoreError(f"{directory}: cannot read FAISS index: {str(e).splitlines()[0]}") from None
-        if hasattr(self.index, "nprobe"):
-            self.index.nprobe = int(params.get("nprobe", NPROBE))
-        self.table = np.load(directory / "embeddings.npy", allow_pickle=False)
-        self.window = int(params.get("window", WINDOW))
-        self.scales = (float(params.get("decay", DECAY)) ** np.arange(self.window)).astype(np.float32)
+            raise DamagedStoreError(f"{directory}: cannot read FAISS index: {str(e).splitlines()[0]}") from None
+        try:
+            self.window = int(params.get("window", WINDOW))
+            self.scales = (float(params.get("decay", DECAY)) ** np.arange(self.window)).astype(np.float32)
+            if hasattr(self.index, "nprobe"):
+                self.index.nprobe = int(params.get("nprobe", NPROBE))
+        except (TypeError, ValueError, OverflowError):
+            raise DamagedStoreError(f"{directory}: the catalog's FAISS parameters are damaged: {params}") from None
+        self.table = load_npy(directory / "embeddings.npy")
+        # _query_vector reads table[id] for every context id < vocab_size, unchecked (compiled)
+        if (self.table.ndim != 2 or self.table.dtype != np.float32 or self.table.shape[0] < vocab_size
+                or self.window < 1 or self.index.d != self.window * self.table.shape[1]):
+            raise DamagedStoreError(f"{directory}: FAISS store is damaged (its embedding table "
+                                    f"{self.table.dtype}{list(self.table.shape)} does not fit its index or the "
+                                    f"vocabulary); run `echospec info --verify`")
 
     def search(self, context: np.ndarray, k: int) -> np.ndarray:
-        """int64 positions (in the general stream) of up to k contexts nearest to `context`'s end."""
+        """int64 ids (`shard << 32 | position` in the general store) of up to k contexts nearest to
+        `context`'s end."""
         query = _query_vector(np.asarray(context, np.int64), self.table, self.scales)
         _, ids = self.index.search(query, k)
         return ids[0][ids[0] >= 0]
@@ -236,13 +301,16 @@ _OPEN: dict[tuple, FaissStore] = {}
 _OPEN_LOCK = threading.Lock()
 
 
-def open_faiss_store(directory: Path, params: dict) -> FaissStore:
+def open_faiss_store(directory: Path, params: dict, vocab_size: int) -> FaissStore:
     """Open (or reuse) a FAISS store. Enrollment never changes it, so a datastore reopened after an
     enrollment shares the loaded index: reopening stays cheap however large the index is."""
-    stat = os.stat(directory / "index.faiss")
-    key = (str(Path(directory).resolve()), stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    try:
+        stat = os.stat(directory / "index.faiss")
+    except OSError as e:
+        raise DamagedStoreError(f"{directory}: cannot read FAISS index ({one_line(e)})") from None
+    key = (str(Path(directory).resolve()), stat.st_ino, stat.st_mtime_ns, stat.st_size, vocab_size)
     with _OPEN_LOCK:
         store = _OPEN.get(key)
         if store is None:
-            store = _OPEN[key] = FaissStore(directory, params)
+            store = _OPEN[key] = FaissStore(directory, params, vocab_size)
     return store

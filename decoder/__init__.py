@@ -5,16 +5,16 @@ Batch size 1 only. Attention implementations: "sdpa" and "eager" (flash/flex att
 
 from .cost import AutoBudget, CostCurve, FixedBudget, NodeBudget
 from .errors import DecoderInputError, UnsupportedModelError
-from .generate import HF_CUSTOM_GENERATE_DIR, GenerationResult, generate, hf_generate
+from .generate import HF_CUSTOM_GENERATE_DIR, GenerationResult, generate, hf_generate, stream
 from .policies import ExactGreedy, ExactSampling, Filtered, Policy, SimilarityGroups, Tolerance, VerifiedTree
 from .sampling import RAS, NodeState, Sampler
 from .session import GenerationStats, SpeculativeSession, check_model
-from .vocab import SpeechVocab, length_limits
+from .vocab import SpeechVocab
 
 __all__ = [
-    "generate", "hf_generate", "HF_CUSTOM_GENERATE_DIR", "GenerationResult", "GenerationStats",
+    "generate", "stream", "hf_generate", "HF_CUSTOM_GENERATE_DIR", "GenerationResult", "GenerationStats",
     "SpeculativeSession", "check_model",
     "Policy", "ExactGreedy", "ExactSampling", "Filtered", "Tolerance", "SimilarityGroups", "VerifiedTree",
-    "Sampler", "RAS", "NodeState", "SpeechVocab", "length_limits", "CostCurve", "NodeBudget", "AutoBudget", "FixedBudget",
+    "Sampler", "RAS", "NodeState", "SpeechVocab", "CostCurve", "NodeBudget", "AutoBudget", "FixedBudget",
     "DecoderInputError", "UnsupportedModelError",
 ]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .cost import CostCurve
 from .errors import DecoderInputError
 from .policies import ExactGreedy, ExactSampling, Policy
 from .sampling import Sampler
@@ -28,43 +27,47 @@ class GenerationResult:
 
     @property
     def speech_tokens(self) -> list[int]:
-        """The generated speech tokens as store-local ids (stop and other non-speech ids dropped)."""
+        """The generated speech tokens as store-local ids, stop and other non-speech ids dropped: what a TTS
+        pipeline hands its vocoder or flow model (CosyVoice's loop never yields its stop token either)."""
         return self.speech.to_local(self.tokens)
 
 
 def generate(model, retriever=None, policy: Policy | None = None, *, input_ids=None, inputs_embeds=None,
-             speech: SpeechVocab | None = None, speech_embedding=None, speaker=None, prompt_speech=None,
-             max_new_tokens: int = 2048, min_new_tokens: int = 0, max_nodes: int | str = "auto", max_depth: int = 8,
-             token_rate: float = 25.0, retriever_timeout: float = 0.1, seed: int | torch.Generator | None = None,
-             cost_curve: CostCurve | None = None, streamer=None) -> GenerationResult:
+             seed: int | torch.Generator | None = None, streamer=None, **options) -> GenerationResult:
     """Generate one utterance (batch size 1) with `retriever`'s trees verified by `model`.
 
-    The prompt is `input_ids` or `inputs_embeds`; generated tokens are fed back through the model's own
-    embeddings, or through `speech_embedding` (a table or callable mapping model ids to input
-    embeddings, as CosyVoice 2 does). `speech` maps model ids to the store's ids and names the stop
-    tokens (default: the whole vocabulary, stops = the model's eos). `policy` decides acceptance
-    (default ExactGreedy); `seed` reseeds a sampling policy. `max_nodes` is the per-step tree budget or
-    "auto" (cost-aware). With `retriever=None` this is plain autoregressive decoding with the same policy.
-    `streamer` (optional) gets each step's new tokens via `streamer.put(list_of_ids)`.
+    The prompt is `input_ids` or `inputs_embeds`. `options` are SpeculativeSession's: `head` (a model's own
+    speech head over the backbone's hidden states), `speech` (the model's speech ids and stop ids; default:
+    the whole vocabulary, stops = the model's eos), `speech_embedding` (a table or callable embedding
+    generated tokens, when they have their own table), `prompt_speech` (store-local ids of the prompt's
+    speech: the retriever's context when the prompt is embeddings), `speaker`, `max_new_tokens`,
+    `min_new_tokens`, `min_length_stop_ids`, `max_nodes` (per-step tree budget, or "auto": cost-aware),
+    `max_depth`, `token_rate`, `retriever_timeout`, `cost_curve`. `policy` decides acceptance (default
+    ExactGreedy); `seed` reseeds a sampling policy. With `retriever=None` this is plain autoregressive
+    decoding with the same policy. `streamer` (optional) gets each step's new model ids via
+    `streamer.put(list_of_ids)`; `stream` yields speech tokens instead.
     """
+    session = _session(model, retriever, policy, seed, options)
+    for emitted in session.run(input_ids=input_ids, inputs_embeds=inputs_embeds):
+        if streamer is not None:
+            streamer.put(emitted)
+    return GenerationResult(list(session.generated), session.stats, session.speech)
+
+
+def stream(model, retriever=None, policy: Policy | None = None, *, input_ids=None, inputs_embeds=None,
+           seed: int | torch.Generator | None = None, **options) -> Iterator[list[int]]:
+    """`generate`, yielding the speech tokens as they are accepted: lists of store-local ids, without the stop
+    token — what a TTS pipeline hands its vocoder or flow model chunk by chunk while the LM runs. For the
+    stats afterwards, make a SpeculativeSession and iterate its `stream()`."""
+    session = _session(model, retriever, policy, seed, options)
+    yield from session.stream(input_ids=input_ids, inputs_embeds=inputs_embeds)
+
+
+def _session(model, retriever, policy, seed, options) -> SpeculativeSession:
     if seed is not None:
         policy = policy or ExactGreedy()
         policy.reseed(seed)
-    session = SpeculativeSession(
-        model, retriever, policy, speech=speech, speech_embedding=speech_embedding, speaker=speaker,
-        prompt_speech=prompt_speech, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-        max_nodes=max_nodes, max_depth=max_depth, token_rate=token_rate, retriever_timeout=retriever_timeout,
-        cost_curve=cost_curve)
-    start = time.perf_counter()
-    emitted = session.prefill(input_ids=input_ids, inputs_embeds=inputs_embeds)
-    while True:
-        if streamer is not None and emitted:
-            streamer.put(emitted)
-        if session.finished:
-            break
-        emitted = session.step()
-    session.stats.wall_seconds = time.perf_counter() - start
-    return GenerationResult(list(session.generated), session.stats, session.speech)
+    return SpeculativeSession(model, retriever, policy, **options)
 
 
 def policy_from_generation_config(config) -> Policy:

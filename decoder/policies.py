@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .sampling import RAS, NodeState, Sampler, make_generator, mask_stops
+from .sampling import RAS, NodeState, Sampler, make_generator, mask_blocked
 
 
 @dataclass
@@ -71,7 +71,7 @@ class ExactGreedy(Policy):
     """Lossless greedy: the output is token for token `model.generate(do_sample=False)`'s."""
 
     def choose(self, logits, child_tokens, state):
-        token = int(torch.argmax(mask_stops(logits, state)))
+        token = int(torch.argmax(mask_blocked(logits, state)))
         return _match(child_tokens, token), token
 
 
@@ -120,7 +120,7 @@ class Filtered(Policy):
         token = self.sampler.sample(logits, state, self.generator)  # the bonus token, unless a draft passes
         if token in state.stop_ids:  # the end of speech is decided exactly
             return None, token
-        scores = mask_stops(logits.float(), state)
+        scores = mask_blocked(logits.float(), state)
         passing = [i for i, t in enumerate(child_tokens) if self._passes(scores, t, state)]
         if passing:
             best = max(passing, key=lambda i: float(scores[child_tokens[i]]))

@@ -29,7 +29,7 @@ class NodeState:
     history: Sequence[int]  # prompt ids (when the prompt was ids) + generated ids, oldest first
     n_generated: int  # how many of `history`'s last tokens were generated (CosyVoice's `decoded_tokens`)
     stop_ids: tuple[int, ...] = ()
-    allow_stop: bool = True  # False while fewer than min_new_tokens have been generated
+    blocked: tuple[int, ...] = ()  # ids that may not be emitted here: the stop ids a minimum length masks
 
     @property
     def generated(self) -> Sequence[int]:
@@ -45,12 +45,12 @@ def make_generator(seed: int | torch.Generator | None) -> torch.Generator:
     return generator
 
 
-def mask_stops(scores: torch.Tensor, state: NodeState) -> torch.Tensor:
-    """Hugging Face's min-new-tokens rule: stop tokens get -inf until they are allowed."""
-    if state.allow_stop or not state.stop_ids:
+def mask_blocked(scores: torch.Tensor, state: NodeState) -> torch.Tensor:
+    """The minimum-length rule of Hugging Face and of CosyVoice: blocked ids get -inf."""
+    if not state.blocked:
         return scores
     scores = scores.clone()
-    scores[..., list(state.stop_ids)] = -float("inf")
+    scores[..., list(state.blocked)] = -float("inf")
     return scores
 
 
@@ -58,13 +58,15 @@ class Sampler:
     """Hugging Face's multinomial sampling: repetition penalty, min-new-tokens, temperature, top-k, top-p, min-p.
 
     Uses transformers' own logits processors in `generate`'s order, so the distribution is the one
-    `model.generate(do_sample=True, ...)` samples from.
+    `model.generate(do_sample=True, ...)` samples from. `repetition_window` limits the penalty to the last
+    that many tokens of the prompt and output (OuteTTS 1.0 patches Hugging Face's penalty so; None: all).
     """
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                 repetition_penalty: float = 1.0):
+                 repetition_penalty: float = 1.0, repetition_window: int | None = None):
         self.params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                           repetition_penalty=repetition_penalty)
+                           repetition_penalty=repetition_penalty, repetition_window=repetition_window)
+        self.repetition_window = repetition_window
         penalties = LogitsProcessorList()
         if repetition_penalty != 1.0:
             penalties.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
@@ -85,8 +87,9 @@ class Sampler:
     def scores(self, logits: torch.Tensor, state: NodeState) -> torch.Tensor:
         scores = logits.float()[None]
         if len(self.penalties) and len(state.history):
-            scores = self.penalties(torch.tensor([list(state.history)], device=scores.device), scores)
-        scores = mask_stops(scores, state)
+            window = state.history if self.repetition_window is None else state.history[-self.repetition_window:]
+            scores = self.penalties(torch.tensor([list(window)], device=scores.device), scores)
+        scores = mask_blocked(scores, state)
         return self.warpers(None, scores)[0] if len(self.warpers) else scores[0]
 
     def distribution(self, logits: torch.Tensor, state: NodeState) -> torch.Tensor:
@@ -97,16 +100,16 @@ class Sampler:
 
 
 class RAS:
-    """CosyVoice's repetition-aware sampling (from VALL-E 2), with CosyVoice 2's min-length rule.
+    """CosyVoice's repetition-aware sampling (from VALL-E 2), as FunAudioLLM/CosyVoice cosyvoice/utils/common.py
+    (`ras_sampling`, `nucleus_sampling`) and cosyvoice/llm/llm.py (`sampling_ids`) do it now.
 
-    Draw from the nucleus (the most probable tokens, in stable descending order, taken while their
-    running sum is below `top_p` and there are fewer than `top_k`); if the drawn token occurs at least
-    `win_size * tau_r` times among the last `win_size` generated tokens, draw again from the full
-    softmax instead. While stopping is not yet allowed, a drawn stop token is thrown away and the
-    whole draw repeated (CosyVoice 2 gives up after 100 tries).
+    Blocked ids (the minimum length's stop ids) are masked first. Draw from the nucleus: the most probable
+    tokens, in stable descending order, taken while their running sum is below `top_p` and there are fewer
+    than `top_k`. If the drawn token occurs at least `win_size * tau_r` times among the last `win_size`
+    generated tokens, draw again from the full softmax without that token. (Before upstream's "fix ras",
+    the second draw could return the repeated token; before "simply code", a stop token drawn too early
+    was thrown away and the whole draw repeated instead of masked.)
     """
-
-    max_trials = 100
 
     def __init__(self, top_p: float = 0.8, top_k: int = 25, win_size: int = 10, tau_r: float = 0.1):
         self.top_p, self.top_k, self.win_size, self.tau_r = top_p, top_k, win_size, tau_r
@@ -132,32 +135,31 @@ class RAS:
     def _repeats(self, token: int, state: NodeState) -> bool:
         return list(state.generated[-self.win_size:]).count(token) >= self.win_size * self.tau_r
 
-    def _repeated(self, ids: torch.Tensor, state: NodeState) -> torch.Tensor:
-        return torch.tensor([self._repeats(token, state) for token in ids.tolist()], dtype=torch.bool)
+    @staticmethod
+    def _probs(logits: torch.Tensor, state: NodeState) -> torch.Tensor:
+        return torch.softmax(mask_blocked(logits.float(), state), dim=-1)
 
-    def _draw(self, probs: torch.Tensor, state: NodeState, generator: torch.Generator) -> int:
+    def sample(self, logits: torch.Tensor, state: NodeState, generator: torch.Generator) -> int:
+        probs = self._probs(logits, state)
         ids, head = self._nucleus(probs)
         token = int(ids[torch.multinomial(head, 1, replacement=True, generator=generator)])
         if self._repeats(token, state):
-            token = int(torch.multinomial(probs, 1, replacement=True, generator=generator))
+            rest = probs.clone()
+            rest[token] = 0.0
+            if float(rest.sum()) > 0:  # (upstream's softmax of nothing but -inf would fail here)
+                token = int(torch.multinomial(rest, 1, replacement=True, generator=generator))
         return token
 
-    def sample(self, logits: torch.Tensor, state: NodeState, generator: torch.Generator) -> int:
-        probs = torch.softmax(logits.float(), dim=-1)
-        for _ in range(self.max_trials + 1):
-            token = self._draw(probs, state, generator)
-            if state.allow_stop or token not in state.stop_ids:
-                return token
-        raise RuntimeError(f"RAS drew a stop token {self.max_trials + 1} times while stopping was not allowed")
-
     def distribution(self, logits: torch.Tensor, state: NodeState) -> torch.Tensor:
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = self._probs(logits, state)
         ids, head = self._nucleus(probs)
         nucleus = head / head.sum()
-        repeated = self._repeated(ids, state)
-        dist = probs * nucleus[repeated].sum()
-        dist[ids[~repeated]] += nucleus[~repeated]
-        if not state.allow_stop and state.stop_ids:
-            dist[list(state.stop_ids)] = 0.0
-            dist = dist / dist.sum()
+        dist = torch.zeros_like(probs)
+        for token, weight in zip(ids.tolist(), nucleus.tolist()):
+            rest = 1.0 - float(probs[token])
+            if self._repeats(token, state) and rest > 0:
+                dist += (weight / rest) * probs
+                dist[token] -= (weight / rest) * probs[token]
+            else:
+                dist[token] += weight
         return dist

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -29,16 +30,21 @@ ALLOWED_ATTENTION = ("eager", "sdpa")
 AUTO_CURVE_ROUNDS, AUTO_CURVE_SECONDS = 16, 1.0  # the auto budget's curve: at most 16 rounds, about 1 s (at least 3)
 
 
-def check_model(model) -> None:
-    """Raise UnsupportedModelError unless `model` is a causal LM whose attention takes a 4D additive mask."""
+def check_model(model, head=None) -> None:
+    """Raise UnsupportedModelError unless `model` can verify a tree.
+
+    It must be a decoder-only causal LM whose attention takes a 4D additive mask; with a `head` (the model's
+    own speech head, applied to the final hidden states) its bare backbone (e.g. `Qwen2Model`) will do too.
+    """
     if not isinstance(model, PreTrainedModel):
         raise UnsupportedModelError(f"echospec needs a transformers PreTrainedModel, got {type(model).__name__}")
     config = model.config
-    causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if config.is_encoder_decoder or not getattr(config, "is_causal", True) or (
-        type(model).__name__ not in causal_names and not type(model).__name__.endswith("ForCausalLM")
-    ):
-        raise UnsupportedModelError(f"{type(model).__name__} is not a decoder-only causal LM")
+    name = type(model).__name__
+    causal_lm = name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) or name.endswith("ForCausalLM")
+    backbone = head is not None and model.base_model is model and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if config.is_encoder_decoder or not getattr(config, "is_causal", True) or not (causal_lm or backbone):
+        hint = "" if head is not None else " (a bare backbone needs the model's own head: pass head=...)"
+        raise UnsupportedModelError(f"{name} is not a decoder-only causal LM{hint}")
     attention = config._attn_implementation
     if attention not in ALLOWED_ATTENTION:
         raise UnsupportedModelError(
@@ -91,32 +97,48 @@ class GenerationStats:
 class SpeculativeSession:
     """One utterance's decoding state (batch size 1). `prefill` once, then `step` until `finished`.
 
-        session = SpeculativeSession(model, retriever, ExactGreedy(), speech=SpeechVocab(0, 6561, (6561, 6562, 6563)),
-                                     speech_embedding=speech_table, max_new_tokens=500)
+        session = SpeculativeSession(llm.llm.model, retriever, ExactGreedy(), head=llm.llm_decoder,
+                                     speech_embedding=llm.speech_embedding,
+                                     speech=SpeechVocab(0, 6561, (6561, 6562, 6563)), max_new_tokens=500)
         session.prefill(inputs_embeds=lm_input)
         while not session.finished:
             new_tokens = session.step()      # or: tree = session.propose(); verified = session.verify(tree);
                                              #     path, bonus = session.accept(verified); ... session.compact(...)
 
+    or `for speech_tokens in session.stream(inputs_embeds=lm_input): ...` (tokens as they are accepted).
+
+    The model is never modified. `head` (optional) maps the backbone's final hidden states to logits over
+    the speech ids and stops, for models with their own speech head (CosyVoice's `llm_decoder`): the
+    backbone's base model runs and `head` scores its output; `model` may then be the bare backbone.
+    `speech_embedding` (a table or callable) embeds generated tokens when they have their own table.
+    `min_length_stop_ids` are the stop ids masked while fewer than `min_new_tokens` are generated (None:
+    all of them, as Hugging Face does; CosyVoice masks only its first, see `presets`).
     `max_nodes` is "auto" (the default): each step verifies the part of the tree that maximises expected
     tokens per second, or none of it, from the model's verify-cost curve (measured once per model) and the
     acceptance seen so far (per retriever and policy kind); see `cost.AutoBudget`. An int pins the budget. A retriever that raises or takes longer than
     `retriever_timeout` seconds makes that step autoregressive. `generated` holds the model ids emitted so far.
     """
 
-    def __init__(self, model, retriever=None, policy: Policy | None = None, *, speech: SpeechVocab | None = None,
-                 speech_embedding=None, speaker=None, prompt_speech=None, max_new_tokens: int = 2048,
-                 min_new_tokens: int = 0, max_nodes: int | str = "auto", max_depth: int = 8, token_rate: float = 25.0,
+    def __init__(self, model, retriever=None, policy: Policy | None = None, *, head=None,
+                 speech: SpeechVocab | None = None, speech_embedding=None, speaker=None, prompt_speech=None,
+                 max_new_tokens: int = 2048, min_new_tokens: int = 0, min_length_stop_ids=None,
+                 max_nodes: int | str = "auto", max_depth: int = 8, token_rate: float = 25.0,
                  retriever_timeout: float = 0.1, cost_curve: CostCurve | None = None):
-        check_model(model)
-        self.model, self.retriever, self.speaker = model, retriever, speaker
+        check_model(model, head)
+        self.model, self.retriever, self.speaker, self.head = model, retriever, speaker, head
+        self.backbone = model if head is None else model.base_model
         self.policy = policy or ExactGreedy()
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = self._output_size()
         self.speech = speech or SpeechVocab(0, self.vocab_size, _eos_ids(model))
-        if self.speech.offset + self.speech.size > self.vocab_size:
-            raise DecoderInputError(f"{self.speech} reaches past the model's {self.vocab_size} output ids")
+        self._check_vocabulary()
         self.speech_embedding = speech_embedding
+        self._embedding_rows = _rows(speech_embedding)
         self.prompt_speech = None if prompt_speech is None else [int(t) for t in prompt_speech]
+        stops = self.speech.stop_ids if min_length_stop_ids is None else tuple(int(t) for t in min_length_stop_ids)
+        if set(stops) - set(self.speech.stop_ids):
+            raise DecoderInputError(f"min_length_stop_ids {sorted(set(stops) - set(self.speech.stop_ids))} "
+                                    f"are not stop ids of {self.speech}")
+        self.min_length_stop_ids = stops
         if max_nodes != "auto" and (not isinstance(max_nodes, int) or max_nodes < 0):
             raise DecoderInputError(f"max_nodes must be a non-negative int or 'auto', got {max_nodes!r}")
         if max_new_tokens < 1 or min_new_tokens < 0:
@@ -128,7 +150,8 @@ class SpeculativeSession:
         self.budget = (AutoBudget(self.policy.exact, self.speech.offset, cost_curve) if max_nodes == "auto"
                        else FixedBudget(max_nodes))
         self.stats = GenerationStats(token_rate=token_rate)
-        self.policy.bind(lambda ids: model.get_output_embeddings().weight[ids.to(model.device)])
+        table = self._output_table()
+        self.policy.bind(None if table is None else (lambda ids: table[ids.to(table.device)]))
         self.cache = DynamicCache(config=model.config)
         self.cached = 0  # tokens in the KV cache
         self.prompt_ids: list[int] = []
@@ -137,25 +160,67 @@ class SpeculativeSession:
         self.context: list[int] = []  # the retriever's context: store-local speech ids
         self.finished = False
 
+    # ---- the model's vocabulary ---------------------------------------------------------------------
+
+    def _output_size(self) -> int:
+        """How many logits the model (or `head`) gives per position."""
+        if self.head is None:
+            table = self.model.get_output_embeddings()
+            return int(table.weight.shape[0]) if table is not None else int(self.model.config.vocab_size)
+        probe = torch.zeros(1, 1, self.model.config.hidden_size, dtype=self.model.dtype, device=self.model.device)
+        with torch.no_grad():
+            return int(self.head(probe).shape[-1])
+
+    def _output_table(self) -> torch.Tensor | None:
+        """The output embedding rows (for SimilarityGroups): the head's weight, or the LM head's."""
+        head = self.head if self.head is not None else self.model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        return weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+    def _check_vocabulary(self) -> None:
+        speech, source = self.speech, "the head's" if self.head is not None else "the model's"
+        if speech.offset + speech.size > self.vocab_size:
+            raise DecoderInputError(
+                f"{source} {self.vocab_size} output ids do not cover the speech ids {speech.offset}.."
+                f"{speech.offset + speech.size - 1} of {speech}" + (
+                    "" if self.head is not None else "; a model with its own speech head needs head=..."))
+        outside = [t for t in speech.stop_ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise DecoderInputError(f"stop ids {outside} are outside {source} {self.vocab_size} output ids")
+        layout = getattr(getattr(self.retriever, "datastore", None), "codebooks", None)
+        if layout is not None and layout != speech.codebooks:
+            raise DecoderInputError(f"the retriever's store interleaves {layout} codebooks, {speech} says "
+                                    f"{speech.codebooks}: build the store with --codebooks {speech.codebooks}")
+
     # ---- inputs -------------------------------------------------------------------------------------
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        table = self.speech_embedding
-        vectors = table[ids.to(table.device)] if isinstance(table, torch.Tensor) else table(ids)
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        rows = self._embedding_rows
+        if rows is not None and max(ids) >= rows:
+            raise DecoderInputError(f"generated id {max(ids)} falls outside speech_embedding's {rows} rows")
+        table, tensor = self.speech_embedding, torch.tensor(ids, device=self.model.device)
+        vectors = table[tensor.to(table.device)] if isinstance(table, torch.Tensor) else table(tensor)
         return vectors.to(device=self.model.device, dtype=self.model.dtype)[None]
 
-    def _forward(self, ids: list[int], positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        device = self.model.device
-        ids_tensor = torch.tensor(ids, device=device)
-        inputs = {"inputs_embeds": self._embed(ids_tensor)} if self.speech_embedding is not None else {
-            "input_ids": ids_tensor[None]}
+    def _logits(self, inputs: dict, last_only: bool = False, **kwargs) -> torch.Tensor:
+        """The model's logits [1, T, V] as float32 on the host (only the last position's with `last_only`),
+        filling the cache."""
         start = time.perf_counter()
-        out = self.model(**inputs, attention_mask=mask, position_ids=positions[None].to(device), cache=self.cache,
-                         use_cache=True)
-        logits = out.logits[0].float().cpu()  # policies and their seeded CPU generators work on the host
+        if self.head is None:
+            logits = self.model(**inputs, cache=self.cache, use_cache=True, logits_to_keep=int(last_only),
+                                **kwargs).logits
+        else:
+            hidden = self.backbone(**inputs, cache=self.cache, use_cache=True, **kwargs).last_hidden_state
+            logits = self.head(hidden[:, -1:] if last_only else hidden)
+        logits = logits.float().cpu()  # policies and their seeded CPU generators work on the host
         self.stats.forward_seconds += time.perf_counter() - start  # after the copy: a GPU's call returns early
         self.stats.target_forwards += 1
         return logits
+
+    def _forward(self, ids: list[int], positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        inputs = {"inputs_embeds": self._embed(ids)} if self.speech_embedding is not None else {
+            "input_ids": torch.tensor([ids], device=self.model.device)}
+        return self._logits(inputs, attention_mask=mask, position_ids=positions[None].to(self.model.device))[0]
 
     # ---- prefill ------------------------------------------------------------------------------------
 
@@ -186,11 +251,7 @@ class SpeculativeSession:
                                     f"{self.max_positions} positions")
         prompt_speech = self.prompt_speech if self.prompt_speech is not None else self.speech.to_local(self.prompt_ids)
         self.context = list(prompt_speech)
-        start = time.perf_counter()
-        out = self.model(**inputs, cache=self.cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[0, -1:].float().cpu()
-        self.stats.forward_seconds += time.perf_counter() - start
-        self.stats.target_forwards += 1
+        logits = self._logits(inputs, last_only=True)[0, -1:]
         if any(type(layer) is not DynamicLayer for layer in self.cache.layers):
             raise UnsupportedModelError("the model's cache has layers other than full-attention DynamicLayer")
         self.cached = length
@@ -202,6 +263,30 @@ class SpeculativeSession:
             if self.budget.curve is not None:
                 self.stats.cost_curve = self.budget.curve.to_dict()
         return emitted
+
+    def run(self, input_ids=None, inputs_embeds=None) -> Iterator[list[int]]:
+        """Prefill, then step until finished, yielding the model ids each forward emits (never an empty list).
+
+        `stats.wall_seconds` counts the time spent in here, not the time the caller spends between tokens.
+        """
+        start = time.perf_counter()
+        emitted = self.prefill(input_ids=input_ids, inputs_embeds=inputs_embeds)
+        while True:
+            self.stats.wall_seconds += time.perf_counter() - start
+            if emitted:
+                yield emitted
+            if self.finished:
+                return
+            start = time.perf_counter()
+            emitted = self.step()
+
+    def stream(self, input_ids=None, inputs_embeds=None) -> Iterator[list[int]]:
+        """The speech tokens as they are accepted, in chunks: store-local ids without the stop token or other
+        non-speech ids — what a TTS pipeline hands its vocoder or flow model while the LM is still running."""
+        for emitted in self.run(input_ids=input_ids, inputs_embeds=inputs_embeds):
+            speech = self.speech.to_local(emitted)
+            if speech:
+                yield speech
 
     # ---- the four stages ----------------------------------------------------------------------------
 
@@ -328,7 +413,8 @@ class SpeculativeSession:
         """The sampler's view at the position after the emitted tokens and `path_tokens`."""
         n_generated = len(self.generated) + len(path_tokens)
         history = self._history + path_tokens if path_tokens else self._history  # read-only during the walk
-        return NodeState(history, n_generated, self.speech.stop_ids, n_generated >= self.min_new_tokens)
+        blocked = self.min_length_stop_ids if n_generated < self.min_new_tokens else ()
+        return NodeState(history, n_generated, self.speech.stop_ids, blocked)
 
     def _emit(self, tokens: list[int]) -> list[int]:
         emitted = []
@@ -413,6 +499,14 @@ def _check_batch(shape, dims: int, name: str) -> None:
         raise DecoderInputError(f"{name} must have {dims} dimensions (batch, ...), got shape {tuple(shape)}")
     if shape[0] != 1:
         raise DecoderInputError(f"echospec decodes batch size 1 only; {name} has batch size {shape[0]}")
+
+
+def _rows(table) -> int | None:
+    """How many ids an embedding table (a tensor, an nn.Embedding) holds; None for another callable."""
+    if isinstance(table, torch.Tensor):
+        return int(table.shape[0])
+    weight = getattr(table, "weight", None)
+    return int(weight.shape[0]) if isinstance(table, torch.nn.Embedding) and weight is not None else None
 
 
 def _eos_ids(model) -> tuple[int, ...]:

@@ -14,17 +14,28 @@ class SpeechVocab:
     """Speech ids occupy `offset .. offset + size - 1` of the model's vocabulary; store-local id = model id - offset.
 
     `stop_ids` are model ids that end generation (they may lie inside or outside the speech range).
-    LLaSA: `SpeechVocab(128264, 65536, stop_ids=(128261,))`; CosyVoice 2: `SpeechVocab(0, 6561, (6561, 6562, 6563))`.
+    `codebooks` > 1 says the speech ids interleave that many codebooks: local id // (size / codebooks) is
+    a token's codebook, and codebooks follow each other in order, 0, 1, ..., codebooks - 1, 0, ...
+    LLaSA: `SpeechVocab(128264, 65536, stop_ids=(128261,))`; CosyVoice 2: `SpeechVocab(0, 6561, (6561, 6562, 6563))`;
+    Orpheus (a SNAC frame is 7 tokens, position p using 128266 + 4096 p + code):
+    `SpeechVocab(128266, 7 * 4096, (128258,), codebooks=7)`. `echospec.decoder.presets` has them all.
     """
 
     offset: int
     size: int
     stop_ids: tuple[int, ...] = field(default=())
+    codebooks: int = 1
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.size <= 0:
             raise DecoderInputError(f"SpeechVocab needs offset >= 0 and size > 0, got {self.offset} and {self.size}")
+        if self.codebooks < 1 or self.size % self.codebooks:
+            raise DecoderInputError(f"SpeechVocab's size {self.size} does not split into {self.codebooks} codebooks")
         object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+
+    def codebook(self, local_id: int) -> int:
+        """The codebook of a store-local speech id (0 when there is one codebook)."""
+        return int(local_id) // (self.size // self.codebooks)
 
     def is_speech(self, model_id: int) -> bool:
         return self.offset <= model_id < self.offset + self.size
@@ -40,10 +51,3 @@ class SpeechVocab:
             bad = ids[(ids < 0) | (ids >= self.size)].tolist()
             raise DecoderInputError(f"speech ids {bad[:5]} are outside the store's vocabulary 0..{self.size - 1}")
         return (ids + self.offset).tolist()
-
-
-def length_limits(text_length: int, min_ratio: float = 2.0, max_ratio: float = 20.0) -> tuple[int, int]:
-    """(min_new_tokens, max_new_tokens) by CosyVoice 2's rule: between 2x and 20x the text length in tokens."""
-    if text_length <= 0:
-        raise DecoderInputError(f"text_length must be positive, got {text_length}")
-    return int(text_length * min_ratio), int(text_length * max_ratio)

@@ -6,12 +6,18 @@ kernels that call each other stay in this one file: numba's on-disk cache is inv
 file, so a caller cached in another file would keep running a stale copy of a changed callee.
 Continuations are gathered as rows of a [rows, max_depth] int64 table padded with -1, each row with
 a source, a count weight (estimated support) and a probability weight.
+
+Store files are untrusted: a damaged suffix array or first-token table must not make a kernel read
+outside its arrays (numba does not bounds-check). Every suffix-array entry and table value is checked
+before it indexes anything, and a bad one makes the store's kernel answer DAMAGED instead; valid stores
+never trigger it, and the checks cost a compare per binary-search probe and per gathered row.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import carray, njit, types
+from numba.extending import intrinsic
 
 # Sources, in the order of `tree.SOURCES` (numba folds these module constants into the kernels).
 PROMPT, SPEAKER, GENERAL, FAISS = 0, 1, 2, 3
@@ -20,6 +26,22 @@ N_SOURCES = 4
 FIRST_ROW, ROWS, MATCH, OCCURRENCES = 0, 1, 2, 3
 """first row of the source's continuations in `conts`, rows written, match length, occurrences of the
 matched suffix in the store (its estimated support)"""
+DAMAGED = -1
+"""stats[source, ROWS] (and match's d, gather_store's and gather_positions' rows) when a store's files
+hold an out-of-range entry."""
+# Columns of the `settings` array gather_exact reads: a retriever's fixed settings, built once by
+# `gather_settings`. One int64 array rather than ten arguments: numba dispatches a call by the types of
+# its arguments, and each argument (more so a keyword one, or a namedtuple's every field) costs the hot
+# call time; measured side by side, keywords cost propose ~4% at p50, a namedtuple ~5%, this array nothing.
+USE_PROMPT, N_MIN, N_MAX, PROMPT_N_MIN, MIN_SUPPORT, CAP, WINDOW, EXTRA_ROWS, VOCAB_SIZE = range(9)
+
+
+def gather_settings(*, use_prompt: bool, n_min: int, n_max: int, prompt_n_min: int, min_support: int, cap: int,
+                    window: int, extra_rows: int, vocab_size: int) -> np.ndarray:
+    """gather_exact's `settings`: the values by name, in their columns."""
+    values = {USE_PROMPT: use_prompt, N_MIN: n_min, N_MAX: n_max, PROMPT_N_MIN: prompt_n_min,
+              MIN_SUPPORT: min_support, CAP: cap, WINDOW: window, EXTRA_ROWS: extra_rows, VOCAB_SIZE: vocab_size}
+    return np.array([int(values[column]) for column in range(len(values))], np.int64)
 
 
 @njit(cache=True, nogil=True)
@@ -30,69 +52,36 @@ def context_is_valid(ctx, vocab_size):
     return True
 
 
-@njit(cache=True, nogil=True)
-def narrow(tokens, sa, lo, hi, depth, c):
-    """The sub-range of sa[lo:hi] whose token `depth` places left of the position is c (the range
-    is sorted by that token, all shallower ones being equal)."""
-    a = lo
-    b = hi
-    while a < b:
-        m = (a + b) >> 1
-        if tokens[sa[m] - depth] < c:
-            a = m + 1
-        else:
-            b = m
-    start = a
-    b = hi
-    while a < b:
-        m = (a + b) >> 1
-        if tokens[sa[m] - depth] <= c:
-            a = m + 1
-        else:
-            b = m
-    return start, a
+# A store (the general store, or a speaker's) is a tuple (shards, tokens0, sa0, first0): `shards` an
+# int64 table with one row per shard, the addresses and lengths of its tokens, sa and first arrays, and
+# shard 0's three arrays, which give the kernels their dtypes. The caller keeps every shard's arrays
+# alive. Addresses rather than a list of arrays: reading a shard's array from a numba typed list costs
+# ~25 ns a time, more than a binary-search step; from the table it is a pointer and a length, and the
+# call passes four arrays however many shards there are.
+TOKENS, TOKENS_LEN, SA, SA_LEN, FIRST, FIRST_LEN = 0, 1, 2, 3, 4, 5
 
 
-@njit(cache=True, nogil=True)
-def match(tokens, sa, first, ctx, n_max, los, his):
-    """Deepest k <= n_max such that the context's last k tokens occur in the store.
+@intrinsic
+def _pointer(typingctx, address, like):
+    """`address` (an int64) as a pointer to elements of `like`'s dtype."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+    return types.CPointer(like.dtype)(address, like), codegen
 
-    los[d], his[d] receive the sa range of the last d tokens for d = 1..k, and los[k + 1] (=
-    his[k + 1]) where the next longer suffix would be (the middle when there is none to try).
-    `sa` is sorted by the reversed n-gram, so each extra token to the left narrows the range by two
-    binary searches.
-    """
-    n = ctx.shape[0]
-    if n == 0:
-        return 0
-    c = ctx[n - 1]
-    if first.shape[0]:
-        if c < 0 or c >= first.shape[0] - 1:
-            return 0
-        lo = first[c]
-        hi = first[c + 1]
-    else:  # a small store keeps no first-token table: search its range like any other step
-        lo, hi = narrow(tokens, sa, 0, sa.shape[0], 0, c)
-    if lo >= hi:
-        return 0
-    los[1] = lo
-    his[1] = hi
-    k = 1
-    limit = min(n_max, n)
-    while k < limit:
-        new_lo, a = narrow(tokens, sa, lo, hi, k, ctx[n - 1 - k])
-        if a == new_lo:
-            los[k + 1] = a  # where the longer suffix would sit: its nearest neighbours surround it
-            his[k + 1] = a
-            return k
-        lo = new_lo
-        hi = a
-        k += 1
-        los[k] = lo
-        his[k] = hi
-    los[k + 1] = (lo + hi) >> 1
-    his[k + 1] = los[k + 1]
-    return k
+
+@njit(cache=True, nogil=True, inline="always")
+def shard_tokens(store, s):
+    return carray(_pointer(store[0][s, TOKENS], store[1]), store[0][s, TOKENS_LEN])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def shard_sa(store, s):
+    return carray(_pointer(store[0][s, SA], store[2]), store[0][s, SA_LEN])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def shard_first(store, s):
+    return carray(_pointer(store[0][s, FIRST], store[3]), store[0][s, FIRST_LEN])
 
 
 @njit(cache=True, nogil=True)
@@ -113,32 +102,251 @@ def copy_continuation(stream, start, stop_at, out, row):
 
 
 @njit(cache=True, nogil=True)
-def gather_store(tokens, sa, first, ctx, n_min, n_max, min_support, cap, out, row0):
+def gather_store(store, ctx, n_min, n_max, min_support, cap, out, row0, vocab_size):
     """Continuations of the longest context suffix (n_min..n_max) with at least `min_support`
-    occurrences (the longest match when none has that many). With more than `cap` occurrences, the
-    `cap` taken are a contiguous block of the suffix array centred where the next longer suffix
-    sits: the occurrences whose further-left context is closest to this one's, read from
-    consecutive memory. Returns (rows written, match length, occurrences)."""
-    los = np.empty(n_max + 2, np.int64)
-    his = np.empty(n_max + 2, np.int64)
-    k = match(tokens, sa, first, ctx, n_max, los, his)
-    if k < n_min:
-        return 0, k, 0
-    d = k
-    while d > n_min and his[d] - los[d] < min_support:
-        d -= 1
-    if his[d] - los[d] < min_support:
-        d = k
-    lo = los[d]
-    hi = his[d]
-    count = hi - lo
+    occurrences (the longest match when none has that many) in a store of one or more shards. An
+    utterance lives in one shard and no continuation crosses one, so the store's count of a suffix is
+    the sum of the shards' counts: the suffix is chosen on the sums, as one store holding every shard
+    would choose it. With more than `cap` occurrences, each shard gives its share of the `cap` (in
+    proportion to its count, largest remainders first), taken as a contiguous block of its suffix
+    array centred where the next longer suffix sits: the occurrences whose further-left context is
+    closest to this one's, read from consecutive memory. The rows are then put in content order, so
+    the tree never depends on how the corpus was split into shards.
+    Returns (rows written, match length, occurrences); rows is DAMAGED when a shard's files hold an
+    out-of-range entry (an id >= vocab_size in a continuation included: a verifier would index its
+    embedding table with it)."""
+    los, his, counts, d = match(store, ctx, n_min, n_max, min_support)
+    if d == DAMAGED:
+        return DAMAGED, 0, 0
+    if d < n_min:
+        return 0, d, 0
+    count = counts[d]
     m = min(count, cap, out.shape[0] - row0)
-    centre = (los[d + 1] + his[d + 1]) >> 1
-    start = min(max(lo, centre - m // 2), hi - m)
-    sentinel = np.iinfo(tokens.dtype).max
-    for j in range(m):
-        copy_continuation(tokens, sa[start + j] + 1, sentinel, out, row0 + j)
+    takes = proportional_shares(los[:, d], his[:, d], m)
+    row = row0
+    for s in range(takes.shape[0]):
+        take = takes[s]
+        if take == 0:
+            continue
+        tokens = shard_tokens(store, s)
+        sa = shard_sa(store, s)
+        lo = los[s, d]
+        hi = his[s, d]
+        centre = (los[s, d + 1] + his[s, d + 1]) >> 1
+        start = min(max(lo, centre - take // 2), hi - take)
+        sentinel = np.iinfo(tokens.dtype).max
+        n = tokens.shape[0]
+        for j in range(take):
+            p = sa[start + j]
+            if p < 0 or p >= n:
+                return DAMAGED, 0, 0
+            # stop at any id outside the vocabulary: only the sentinel may be one
+            t = copy_continuation(tokens, p + 1, vocab_size, out, row)
+            if t < out.shape[1] and p + 1 + t < n and tokens[p + 1 + t] != sentinel:
+                return DAMAGED, 0, 0
+            row += 1
+    sort_rows(out, row0, row)
     return m, d, count
+
+
+@njit(cache=True, nogil=True)
+def match(store, ctx, n_min, n_max, min_support):
+    """The suffix length d that gather_store takes, with every shard's sa ranges.
+
+    los[s, t], his[s, t]: shard s's sa range of the context's last t tokens; counts[t] their sum over
+    shards. `sa` is sorted by the reversed n-gram, so one more token to the left narrows a range by two
+    binary searches; all shards go one depth at a time. The row after d holds where the next longer
+    suffix sits in each shard (its range, the insertion point when it does not occur, or the middle
+    when there is no longer suffix to try). The search stops as soon as the count falls below
+    `min_support` after a depth >= n_min that had it (no deeper suffix can be chosen then); when no depth
+    has the support it goes on to the deepest match. d < n_min: nothing to gather; d is DAMAGED when a
+    shard's first-token table or suffix array holds an out-of-range entry.
+    """
+    n_shards = store[0].shape[0]
+    los = np.zeros((n_shards, n_max + 2), np.int64)
+    his = np.zeros((n_shards, n_max + 2), np.int64)
+    counts = np.zeros(n_max + 2, np.int64)
+    n = ctx.shape[0]
+    if n == 0:
+        return los, his, counts, 0
+    c = ctx[n - 1]
+    for s in range(n_shards):
+        first = shard_first(store, s)
+        if first.shape[0]:
+            if 0 <= c < first.shape[0] - 1:
+                lo = first[c]
+                hi = first[c + 1]
+                if lo < 0 or hi < lo or hi > store[0][s, SA_LEN]:
+                    return los, his, counts, DAMAGED
+                los[s, 1] = lo
+                his[s, 1] = hi
+        else:  # a small store keeps no first-token table: search its range like any other step
+            los[s, 0] = 0
+            his[s, 0] = store[0][s, SA_LEN]
+            if narrow(store, s, los, his, 0, c):
+                return los, his, counts, DAMAGED
+        counts[1] += his[s, 1] - los[s, 1]
+    if counts[1] == 0:
+        return los, his, counts, 0
+    limit = min(n_max, n)
+    t = 1
+    while True:
+        if t == limit:  # no longer suffix to try: its place is the middle
+            for s in range(n_shards):
+                los[s, t + 1] = (los[s, t] + his[s, t]) >> 1
+                his[s, t + 1] = los[s, t + 1]
+        elif narrow(store, -1, los, his, t, ctx[n - 1 - t]):
+            return los, his, counts, DAMAGED
+        for s in range(n_shards):
+            counts[t + 1] += his[s, t + 1] - los[s, t + 1]
+        if counts[t + 1] < min_support and t >= n_min and counts[t] >= min_support:
+            return los, his, counts, t
+        if counts[t + 1] == 0:
+            break
+        t += 1
+    deepest = t
+    d = deepest
+    while d > n_min and counts[d] < min_support:
+        d -= 1
+    if counts[d] < min_support:
+        d = deepest
+    return los, his, counts, d
+
+
+@njit(cache=True, nogil=True)
+def narrow(store, only, los, his, depth, c):
+    """los/his[s, depth + 1] = the part of shard s's range los/his[s, depth] whose token `depth` places
+    left of the position is c (the range is sorted by that token, all shallower ones being equal); where
+    none is, the empty range at the point c would sit. For every shard, or shard `only` when >= 0.
+    Returns True (damaged) if a probed entry points outside its stream: in a valid store every entry of
+    the range has `depth` tokens before it.
+
+    With several shards their binary searches advance one step at a time in turn: their cache and TLB
+    misses are independent, so the CPU overlaps them (16 shards of a 40M-token store, this machine:
+    match p50 12.6 us, p99 60 us, against 21.6 and 104 us one shard after the other). One shard keeps its
+    bounds in registers."""
+    n_shards = los.shape[0]
+    if only >= 0 or n_shards == 1:
+        for s in range(n_shards) if only < 0 else range(only, only + 1):
+            tokens = shard_tokens(store, s)
+            sa = shard_sa(store, s)
+            n = tokens.shape[0]
+            a = los[s, depth]
+            b = his[s, depth]
+            while a < b:
+                m = (a + b) >> 1
+                p = sa[m] - depth
+                if p < 0 or p >= n:
+                    return True
+                if tokens[p] < c:
+                    a = m + 1
+                else:
+                    b = m
+            los[s, depth + 1] = a
+            b = his[s, depth]
+            while a < b:
+                m = (a + b) >> 1
+                p = sa[m] - depth
+                if p < 0 or p >= n:
+                    return True
+                if tokens[p] <= c:
+                    a = m + 1
+                else:
+                    b = m
+            his[s, depth + 1] = a
+        return False
+    start = los[:, depth + 1]
+    end = his[:, depth + 1]
+    for s in range(n_shards):
+        start[s] = los[s, depth]
+        end[s] = his[s, depth]
+    if _search(store, start, end, depth, c, False):  # start: the lower ends
+        return True
+    lo = start.copy()
+    for s in range(n_shards):
+        end[s] = his[s, depth]
+    if _search(store, lo, end, depth, c, True):  # lo: the upper ends
+        return True
+    end[:] = lo
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _search(store, lo, hi, depth, c, upper):
+    """Every shard's binary search for the first position whose token `depth` places left is >= c
+    (> c when `upper`) within [lo[s], hi[s]), one step per shard in turn; the result is left in lo.
+    Returns True (damaged) if a probed entry points outside its stream."""
+    active = lo.shape[0]
+    while active:
+        active = 0
+        for s in range(lo.shape[0]):
+            if lo[s] < hi[s]:
+                m = (lo[s] + hi[s]) >> 1
+                p = shard_sa(store, s)[m] - depth
+                if p < 0 or p >= store[0][s, TOKENS_LEN]:
+                    return True
+                v = shard_tokens(store, s)[p]
+                if v < c or (upper and v == c):
+                    lo[s] = m + 1
+                else:
+                    hi[s] = m
+                active += 1
+    return False
+
+
+@njit(cache=True, nogil=True)
+def proportional_shares(los, his, m):
+    """How many of `m` rows each shard gives: floor(m * count / total), then one more to each of the
+    shards with the largest remainders (ties: lower shard) until the shares add up to m. A share never
+    exceeds its shard's count; when m is the total, every shard gives all its occurrences."""
+    n = los.shape[0]
+    takes = np.zeros(n, np.int64)
+    total = 0
+    for s in range(n):
+        total += his[s] - los[s]
+    if total == 0:
+        return takes
+    given = 0
+    remainders = np.zeros(n, np.int64)
+    for s in range(n):
+        product = m * (his[s] - los[s])
+        takes[s] = product // total
+        remainders[s] = product - takes[s] * total
+        given += takes[s]
+    while given < m:
+        best = 0
+        for s in range(1, n):
+            if remainders[s] > remainders[best]:
+                best = s
+        takes[best] += 1
+        remainders[best] = -1
+        given += 1
+    return takes
+
+
+@njit(cache=True, nogil=True)
+def sort_rows(out, lo, hi):
+    """Insertion sort of out[lo:hi] by content (-1 padding first): at most `cap` short rows."""
+    width = out.shape[1]
+    held = np.empty(width, out.dtype)
+    for i in range(lo + 1, hi):
+        j = i
+        while j > lo and row_less(out, i, j - 1):
+            j -= 1
+        if j == i:
+            continue
+        held[:] = out[i]
+        for r in range(i, j, -1):
+            out[r] = out[r - 1]
+        out[j] = held
+
+
+@njit(cache=True, nogil=True)
+def row_less(out, a, b):
+    for t in range(out.shape[1]):
+        if out[a, t] != out[b, t]:
+            return out[a, t] < out[b, t]
+    return False
 
 
 @njit(cache=True, nogil=True)
@@ -166,12 +374,46 @@ def gather_prompt(ctx, n_min, n_max, cap, window, out, row0):
 
 
 @njit(cache=True, nogil=True)
-def gather_positions(tokens, positions, vocab, out, row0):
-    """Continuations following given stream positions (the FAISS store's neighbours)."""
-    m = min(positions.shape[0], out.shape[0] - row0)
-    for j in range(m):
-        copy_continuation(tokens, positions[j] + 1, vocab, out, row0 + j)
-    return m
+def gather_positions(store, positions, vocab_size, width, book, out, row0):
+    """Continuations following given stream positions (the FAISS store's neighbours), each
+    `shard << 32 | position in that shard's stream`, taking only positions whose token is in codebook
+    `book` (ids // width; with one codebook, every id) until `out` is full. Returns the rows written, or
+    DAMAGED when a position or a continuation is out of range (the ids come from the index file)."""
+    n_shards = store[0].shape[0]
+    row = row0
+    for j in range(positions.shape[0]):
+        if row == out.shape[0]:
+            break
+        shard = positions[j] >> 32
+        p = positions[j] & 0xFFFFFFFF
+        if shard < 0 or shard >= n_shards or p >= store[0][shard, TOKENS_LEN]:
+            return DAMAGED
+        tokens = shard_tokens(store, shard)
+        if tokens[p] // width != book:
+            continue
+        t = copy_continuation(tokens, p + 1, vocab_size, out, row)
+        if t < out.shape[1] and p + 1 + t < tokens.shape[0] and tokens[p + 1 + t] != np.iinfo(tokens.dtype).max:
+            return DAMAGED
+        row += 1
+    return row - row0
+
+
+@njit(cache=True, nogil=True)
+def keep_layout(conts, n_rows, last, width, codebooks):
+    """Interleaved codebooks: cut every row at its first token outside the codebook due at its place.
+    The context's last token is in codebook last // width, so row position t must be in codebook
+    (last // width + 1 + t) % codebooks. Approximate sources (FAISS) can propose any id; this makes every
+    source propose only ids valid at their position."""
+    due = (last // width + 1) % codebooks
+    for r in range(n_rows):
+        for t in range(conts.shape[1]):
+            v = conts[r, t]
+            if v < 0:
+                break
+            if v // width != (due + t) % codebooks:
+                for u in range(t, conts.shape[1]):
+                    conts[r, u] = -1
+                break
 
 
 @njit(cache=True, nogil=True)
@@ -306,28 +548,37 @@ def record(stats, source, first_row, rows, match_length, occurrences):
 
 
 @njit(cache=True, nogil=True)
-def gather_exact(ctx, general, speaker, use_speaker, use_prompt, n_min, n_max, prompt_n_min, min_support, cap,
-                 window, max_depth, extra_rows):
+def gather_exact(ctx, general, speaker, use_speaker, max_depth, settings):
     """Continuation rows of the prompt, the speaker store and the general store.
 
-    `general` and `speaker` are (tokens, sa, first) triples. Returns `conts`, a [rows, max_depth] table
-    with room for `extra_rows` more (FAISS), and `stats[source]` = (FIRST_ROW, ROWS, MATCH, OCCURRENCES);
-    stats[FAISS, FIRST_ROW] is where FAISS rows would start.
+    `general` and `speaker` are stores (see TOKENS above); `settings` is gather_settings' array (read by
+    column: N_MIN, CAP, ...). Returns `conts`, a [rows, max_depth] table with room for
+    settings[EXTRA_ROWS] more (FAISS), and `stats[source]` = (FIRST_ROW, ROWS, MATCH, OCCURRENCES);
+    stats[FAISS, FIRST_ROW] is where FAISS rows would start, or DAMAGED when a damaged store stopped the
+    gathering (stats[that source, ROWS] is DAMAGED too): one value for the caller to check.
     """
-    conts = np.empty((3 * cap + extra_rows, max_depth), np.int64)
+    n_min = settings[N_MIN]
+    n_max = settings[N_MAX]
+    min_support = settings[MIN_SUPPORT]
+    cap = settings[CAP]
+    vocab_size = settings[VOCAB_SIZE]
+    conts = np.empty((3 * cap + settings[EXTRA_ROWS], max_depth), np.int64)
     stats = np.zeros((N_SOURCES, 4), np.int64)
     row = 0
-    if use_prompt:
-        m, k = gather_prompt(ctx, prompt_n_min, n_max, cap, window, conts, row)
+    if settings[USE_PROMPT]:
+        m, k = gather_prompt(ctx, settings[PROMPT_N_MIN], n_max, cap, settings[WINDOW], conts, row)
         record(stats, PROMPT, row, m, k, m)
         row += m
     if use_speaker:
-        m, k, occ = gather_store(speaker[0], speaker[1], speaker[2], ctx, n_min, n_max, min_support, cap, conts, row)
+        m, k, occ = gather_store(speaker, ctx, n_min, n_max, min_support, cap, conts, row, vocab_size)
         record(stats, SPEAKER, row, m, k, occ)
+        if m == DAMAGED:
+            stats[FAISS, FIRST_ROW] = DAMAGED
+            return conts, stats
         row += m
-    m, k, occ = gather_store(general[0], general[1], general[2], ctx, n_min, n_max, min_support, cap, conts, row)
+    m, k, occ = gather_store(general, ctx, n_min, n_max, min_support, cap, conts, row, vocab_size)
     record(stats, GENERAL, row, m, k, occ)
-    stats[FAISS, FIRST_ROW] = row + m
+    stats[FAISS, FIRST_ROW] = DAMAGED if m == DAMAGED else row + m
     return conts, stats
 
 

@@ -10,8 +10,8 @@ steps autoregressively meanwhile and proposals resume on the first successful tr
 
 HTTP/1.1 on a plain socket (each request in one send, answers parsed by httptools), one kept-alive
 connection per thread: on loopback a request costs the client a fraction of the CPU it costs through
-httpx (see tools/bench_service.py), and connections are never shared between threads, so any number
-of threads may call one RemoteRetriever.
+httpx (see tools/benchmarks/bench_service.py), and connections are never shared between threads, so
+any number of threads may call one RemoteRetriever.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class RemoteRetriever:
     store        the store's name on the service
     timeout      seconds a call may wait on the network (connect, send, and each read)
     api_key      for `enroll` (the service's ECHOSPEC_API_KEY)
-    payload      "binary" (default: the faster one, see tools/bench_service.py) or "json"
+    payload      "binary" (default: the faster one, see tools/benchmarks/bench_service.py) or "json"
     backoff, max_backoff   the circuit breaker's first and longest fail-fast windows, in seconds
     """
 

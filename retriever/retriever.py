@@ -9,9 +9,13 @@ worth its source's weight times the source's match length. A node's probability 
 the rows through it over the total (counts turned into probabilities, as SuffixDecoding does); the
 merged trie keeps the `max_nodes` most probable nodes up to `max_depth`.
 
+With interleaved codebooks (a store built with `codebooks` > 1, as Orpheus' 7-token SNAC frames), every
+row is cut at its first id outside the codebook due at its place, and FAISS neighbours are taken among
+contexts ending in the context's own codebook, so no source proposes an id impossible at its position.
+
 Defaults, chosen by oracle acceptance (tokens per step = accepted + 1) on 60 held-out utterances of a
 1M-token speech-like corpus, each replayed behind a 6 s same-speaker prompt; every figure changes one
-setting from the defaults, which score 2.635 (`python -m echospec.tools.retriever_defaults`):
+setting from the defaults, which score 2.635 (`python -m echospec.tools.benchmarks.retriever_defaults`):
   min_support 32   1 (longest match only, as SuffixDecoding): 2.456; 8: 2.599; 16: 2.632;
                    64: 2.628 — speech tokens are noisy, so a longer context seen once predicts
                    worse than a shorter one seen often.
@@ -29,7 +33,7 @@ setting from the defaults, which score 2.635 (`python -m echospec.tools.retrieve
                    search), so by default it answers only contexts whose last token no exact
                    store has seen — the contexts exact matching cannot serve at all.
   max_depth 8      6: 2.622; 12: 2.630.
-Indicative only: one synthetic corpus; the benchmark (tools/bench_retriever.py) compares peers.
+Indicative only: one synthetic corpus; the benchmark (echospec.tools.benchmarks.bench_retriever) compares peers.
 """
 
 from __future__ import annotations
@@ -37,8 +41,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
-from ..datastore import Datastore, open_datastore
+from ..datastore import DamagedStoreError, Datastore, ExactStore, open_datastore
 from . import kernels
 from .tree import CandidateTree
 
@@ -82,8 +85,17 @@ class Retriever:
         self.weights = np.asarray(weights, np.float64)
         if self.weights.shape != (4,) or np.any(self.weights < 0):
             raise ValueError("weights must be 4 non-negative numbers (prompt, speaker, general, faiss)")
-        self.vocab_size = ds.vocab_size
-        self._general = (ds.general.tokens, ds.general.sa, ds.general.first)
+        self.vocab_size, self.codebooks = ds.vocab_size, ds.codebooks
+        self._width = ds.vocab_size // ds.codebooks  # ids per codebook
+        self._general = kernel_store(ds.shards)  # ds (self.datastore) keeps the shards mapped
+        self._speaker_stores: dict[str, tuple] = {}
+        shards = ds.shards  # named in errors: the one shard's directory, or the one holding them all
+        self._general_dir = shards[0].directory if len(shards) == 1 else shards[0].directory.parent
+        # the settings every proposal passes to the kernels, fixed here: changing an attribute later has no effect
+        self._settings = kernels.gather_settings(
+            use_prompt=self.prompt_lookup, n_min=self.n_min, n_max=self.n_max, prompt_n_min=self.prompt_n_min,
+            min_support=self.min_support, cap=self.cap, window=self.prompt_window,
+            extra_rows=0 if self.faiss is None else self.faiss_k, vocab_size=self.vocab_size)
         self.propose(np.zeros(1, np.int64))  # JIT warm-up (numba's cache): the first request pays nothing
 
     @property
@@ -94,7 +106,7 @@ class Retriever:
                 max_depth: int | None = None) -> CandidateTree:
         """Candidate continuations of `context`: 1-D ints, store-local ids (the request's prompt speech
         tokens followed by its output so far). Raises ValueError for ids outside the vocabulary or an
-        unknown speaker.
+        unknown speaker, and DamagedStoreError (a DatastoreError) when the store it reads is corrupted.
 
         Worked example: if the store holds "5 6 7 8" twice and "5 6 9" once, the context [1, 5, 6] matches
         the suffix "5 6" three times (with `min_support` <= 3), so the rows gathered are [7, 8], [7, 8] and
@@ -110,24 +122,53 @@ class Retriever:
         max_depth = self.max_depth if max_depth is None else int(max_depth)
         if len(ctx) == 0 or max_nodes <= 0 or max_depth <= 0:
             return CandidateTree.empty()
-        speaker_store = self._general
-        if speaker is not None:
-            store = self.datastore.speaker_store(speaker)
-            if store is None:
-                raise ValueError(f"unknown speaker {speaker!r}")
-            speaker_store = (store.tokens, store.sa, store.first)
+        speaker_store = self._general if speaker is None else self._speaker(speaker)
         faiss = self.faiss
-        conts, stats = kernels.gather_exact(
-            ctx=ctx, general=self._general, speaker=speaker_store, use_speaker=speaker is not None,
-            use_prompt=self.prompt_lookup, n_min=self.n_min, n_max=self.n_max, prompt_n_min=self.prompt_n_min,
-            min_support=self.min_support, cap=self.cap, window=self.prompt_window, max_depth=max_depth,
-            extra_rows=0 if faiss is None else self.faiss_k)
+        # positional: the two calls every proposal makes (numba dispatches keyword arguments slower)
+        conts, stats = kernels.gather_exact(ctx, self._general, speaker_store, speaker is not None, max_depth,
+                                            self._settings)
+        if stats[kernels.FAISS, kernels.FIRST_ROW] == kernels.DAMAGED:
+            speaker_damaged = stats[kernels.SPEAKER, kernels.ROWS] == kernels.DAMAGED
+            raise self._damaged(self._speaker_stores[speaker][1].directory if speaker_damaged else self._general_dir,
+                                "an entry of its suffix array, first-token table or token stream is out of range")
         exact_match = max(stats[kernels.SPEAKER, kernels.MATCH], stats[kernels.GENERAL, kernels.MATCH])
         if faiss is not None and exact_match < self.faiss_below:
-            rows = kernels.gather_positions(tokens=self._general[0], positions=faiss.search(ctx, self.faiss_k),
-                                            vocab=self.vocab_size, out=conts,
+            # with interleaved codebooks only neighbours ending in the context's own codebook are taken (their
+            # continuations start in the codebook due next): ask for codebooks x as many, so enough remain
+            rows = kernels.gather_positions(store=self._general,
+                                            positions=faiss.search(ctx, self.faiss_k * self.codebooks),
+                                            vocab_size=self.vocab_size, width=self._width,
+                                            book=ctx[-1] // self._width, out=conts,
                                             row0=stats[kernels.FAISS, kernels.FIRST_ROW])
+            if rows == kernels.DAMAGED:
+                raise self._damaged(f"{self.datastore.root / 'faiss'} or the general store",
+                                    "a neighbour's id or its continuation is out of range")
             # a neighbour's match is one token, its support the rows found
             stats[kernels.FAISS, kernels.ROWS:] = (rows, 1, rows)
-        return CandidateTree.trusted(kernels.finish(conts=conts, stats=stats, weights=self.weights,
-                                                    max_nodes=max_nodes))
+        if self.codebooks > 1:
+            kernels.keep_layout(conts=conts, n_rows=stats[kernels.FAISS, kernels.FIRST_ROW] +
+                                stats[kernels.FAISS, kernels.ROWS], last=ctx[-1], width=self._width,
+                                codebooks=self.codebooks)
+        return CandidateTree.trusted(kernels.finish(conts, stats, self.weights, max_nodes))
+
+    def _speaker(self, speaker: str) -> tuple:
+        cached = self._speaker_stores.get(speaker)
+        if cached is None:
+            exact = self.datastore.speaker_store(speaker)
+            if exact is None:
+                raise ValueError(f"unknown speaker {speaker!r}")
+            # the store itself stays beside its view: the view holds addresses of its mapped arrays
+            cached = self._speaker_stores.setdefault(speaker, (kernel_store((exact,)), exact))
+        return cached[0]
+
+    def _damaged(self, where, what: str) -> DamagedStoreError:
+        return DamagedStoreError(f"{where}: store is damaged ({what}); "
+                                 f"run `echospec info --verify {self.datastore.root}`")
+
+
+def kernel_store(shards: tuple[ExactStore, ...]) -> tuple:
+    """The kernels' view of a store (see kernels.TOKENS): a table of its shards' array addresses and
+    lengths, and shard 0's arrays for their dtypes. The caller keeps `shards` alive while it uses the view."""
+    table = np.array([[a.ctypes.data if len(a) else 0, len(a)] for shard in shards
+                      for a in (shard.tokens, shard.sa, shard.first)], np.int64).reshape(len(shards), 6)
+    return table, shards[0].tokens, shards[0].sa, shards[0].first

@@ -7,7 +7,7 @@ Response body:
     | u8 sources[T]                                              (T = sum(sizes), trees concatenated)
 
 Decoding is a handful of `np.frombuffer` calls, with no per-token Python work; JSON is the readable
-alternative (see retriever/service.py). Errors are always JSON.
+alternative (see retriever/service/). Errors are always JSON.
 """
 
 from __future__ import annotations

@@ -10,11 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from echospec.datastore import build
-from echospec.tools.synth_corpus import SynthConfig, generate
+from echospec.tools.corpus.synth_corpus import SynthConfig, generate
 
 API_KEY = "test-key-0123456789"
 ECHOSPEC = str(Path(sys.executable).with_name("echospec"))  # the console script of the venv running the tests
@@ -53,27 +54,51 @@ def copy_store(store: Path, target: Path) -> Path:
     return target
 
 
+SERVE = """\
+import json, sys
+options = json.loads(sys.argv[1])
+if "uvicorn_version" in options:  # make the service believe the installed uvicorn is that version
+    import uvicorn
+    uvicorn.__version__ = options.pop("uvicorn_version")
+from echospec.retriever.service import Limits, serve
+serve(sys.argv[3:], port=int(sys.argv[2]), limits=Limits(**options.pop("limits", {})), **options)
+"""
+"""`serve(STORE..., port=N, **options)` in a fresh interpreter: the library call `echospec serve` makes, for
+what the command line does not offer. `uvicorn_version` makes the real check in fast_http.py refuse the
+fast path (it was written for another version), and the service runs on uvicorn's own protocol."""
+
+
 class Server:
-    """`echospec serve STORE --port N` as a subprocess; `url` once `/healthz` answers."""
+    """`echospec serve STORE --port N ARGS` as a subprocess, or with `options` the library's `serve(...)`
+    (see SERVE); `url` once `/healthz` answers."""
 
     def __init__(self, *stores: Path | str, port: int | None = None, api_key: str | None = API_KEY,
-                 args: tuple[str, ...] = ()):
+                 args: tuple[str, ...] = (), options: dict | None = None):
         self.stores, self.port, self.api_key, self.args = [str(s) for s in stores], port or free_port(), api_key, args
+        self.options = options
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+        self.log = tempfile.TemporaryFile()  # the service's stdout and stderr, every start
+
+    def output(self) -> str:
+        """What the service has printed so far (its log)."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
     def start(self, timeout: float = 60.0) -> "Server":
         env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
         env.pop("ECHOSPEC_API_KEY", None)
         if self.api_key:
             env["ECHOSPEC_API_KEY"] = self.api_key
-        command = [ECHOSPEC, "serve", *self.stores, "--port", str(self.port), *self.args]
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if self.options is None:
+            command = [ECHOSPEC, "serve", *self.stores, "--port", str(self.port), *self.args]
+        else:
+            command = [sys.executable, "-c", SERVE, json.dumps(self.options), str(self.port), *self.stores]
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n"
-                                   f"{self.process.stdout.read().decode(errors='replace')}")
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.output()}")
             try:
                 status, _, body = request(self.url, "GET", "/healthz", timeout=1.0)
                 if status == 200 and json.loads(body)["pid"] == self.process.pid:  # ours, not a port squatter

@@ -6,8 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from echospec.tools.cli import main
-from echospec.tools.demo import SAMPLE_CORPUS, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
-from echospec.tools.tts_prompt import SAMPLE_MODEL_DIR
+from echospec.tools.corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
 
 SYSTEM_FIELDS = {"baseline", "tokens_per_forward", "time_per_token_ms", "speedup", "forward_cost_speedup", "lm_rtf",
                  "new_tokens", "log_likelihood", "mel_distortion", "accepted_lengths"}
@@ -22,6 +21,7 @@ def sample_store(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path):
     out = tmp_path / "bench"
     result = CliRunner().invoke(main, [
@@ -76,12 +76,14 @@ def test_bench_sweeps_only_benchmarked_policies(sample_store, tmp_path):
     assert "Traceback" not in result.output
 
 
-def test_bench_needs_an_echospec_checkpoint(sample_store, tmp_path):
+def test_bench_refuses_a_folder_that_is_no_checkpoint(sample_store, tmp_path):
     result = CliRunner().invoke(main, ["bench", str(tmp_path), "--store", str(sample_store),
                                        "--prompts", str(SAMPLE_PROMPTS)])
-    assert result.exit_code == 1 and "echospec_tts.json" in result.output
+    assert result.exit_code == 1 and "not a Hugging Face causal LM checkpoint" in result.output
+    assert "Traceback" not in result.output
 
 
+@pytest.mark.slow
 def test_demo_builds_queries_and_benchmarks(tmp_path):
     out = tmp_path / "demo"
     result = CliRunner().invoke(main, ["demo", "--out", str(out), "--limit", "1"])

@@ -8,8 +8,8 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from echospec.tools.rest_reference import SEPARATOR, RestReference, suffix_array, trie_of
-from echospec.tools.synth_corpus import Corpus, SynthConfig, cli, generate, write_jsonl
+from echospec.tools.benchmarks.rest_reference import SEPARATOR, RestReference, suffix_array, trie_of
+from echospec.tools.corpus.synth_corpus import Corpus, SynthConfig, generate, main, write_jsonl
 
 SMALL = SynthConfig(n_tokens=60_000, n_speakers=8, n_phrases=500, seed=3)
 
@@ -81,11 +81,11 @@ def test_jsonl_round_trip(corpus, tmp_path):
 
 def test_cli_writes_corpus_and_rejects_bad_sizes(tmp_path):
     out = tmp_path / "c.jsonl"
-    ok = CliRunner().invoke(cli, ["--tokens", "3000", "--vocab", "1024", "--speakers", "3", "--out", str(out)])
+    ok = CliRunner().invoke(main, ["--tokens", "3000", "--vocab", "1024", "--speakers", "3", "--out", str(out)])
     assert ok.exit_code == 0, ok.output
     tokens = [t for line in out.read_text().splitlines() for t in json.loads(line)["tokens"]]
     assert len(tokens) >= 3000 and max(tokens) < 1024
-    bad = CliRunner().invoke(cli, ["--tokens", "10", "--out", str(out)])
+    bad = CliRunner().invoke(main, ["--tokens", "10", "--out", str(out)])
     assert bad.exit_code != 0 and "10" in bad.output
 
 
@@ -173,7 +173,7 @@ def test_oracle_accepts_the_longest_matching_path():
 
 
 def test_latency_contexts_cover_utterances_in_order():
-    from echospec.tools.bench_retriever import latency_contexts
+    from echospec.tools.benchmarks.bench_retriever import latency_contexts
 
     held = [np.arange(50), np.arange(30)]
     for calls in (20, 60):

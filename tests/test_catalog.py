@@ -3,6 +3,7 @@ builds that are interrupted or aimed at an existing target."""
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -32,7 +33,8 @@ def test_catalog_records_everything(store):
     info = open_datastore(store).info()
     assert info["format_version"] == FORMAT_VERSION
     assert info["utterances"] == 40 and info["tokens"] == 1200
-    assert info["vocabulary"] == {"speech_offset": 0, "size": 64, "stop_ids": [], "dtype": "uint16"}
+    assert info["vocabulary"] == {"speech_offset": 0, "size": 64, "stop_ids": [], "drop_ids": [], "codebooks": 1,
+                                  "dtype": "uint16"}
     assert (info["n_min"], info["n_max"]) == (1, 8)
     assert set(info["speakers"]) == {"s0", "s1", "s2"} and info["speakers"]["s0"]["utterances"] == 14
     assert [s["name"] for s in info["stores"]] == ["general", "speaker:s0", "speaker:s1", "speaker:s2"]
@@ -123,3 +125,81 @@ def test_killed_build_leaves_nothing_that_looks_valid(tmp_path):
         open_datastore(leftover)
     build(corpus, tmp_path / "store", faiss=False, progress=False)  # the next build clears the leftover
     assert not list(tmp_path.glob(".store.building-*"))
+
+
+def damage(store, *statements):
+    db = sqlite3.connect(store / "catalog.sqlite")
+    for statement in statements:
+        db.execute(statement)
+    db.commit()
+    db.close()
+
+
+def one_line_error(*args):
+    """`echospec ARGS` through click's runner: exit 1 with one `Error:` line, no traceback."""
+    from click.testing import CliRunner
+    from echospec.tools.cli import main
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("statement, message", [
+    ("DELETE FROM meta WHERE key = 'sort_depth'", "meta has no 'sort_depth'"),
+    ("DELETE FROM stores WHERE name = 'general'", "no 'general' exact store"),
+    ("UPDATE meta SET value = '{nope' WHERE key = 'n_min'", "meta 'n_min' is not JSON"),
+    ("UPDATE meta SET value = '\"abc\"' WHERE key = 'vocab_size'", "meta 'vocab_size' is 'abc', not an integer"),
+    ("UPDATE meta SET value = '9' WHERE key = 'n_min'", "n_min, n_max or stop_ids are inconsistent"),
+    ("UPDATE stores SET params = '[' WHERE name = 'general'", "store 'general' has params that are not a JSON"),
+    ("UPDATE stores SET directory = '../../../etc' WHERE name = 'speaker:s0'", "'../../../etc', outside the"),
+    ("UPDATE stores SET directory = '/etc' WHERE name = 'speaker:s1'", "'/etc', outside the datastore"),
+    ("UPDATE stores SET kind = 'magic' WHERE name = 'general'", "unknown kind 'magic'"),
+    ("UPDATE speakers SET store = 'nowhere' WHERE name = 's2'", "speaker 's2' has no exact store"),
+    ("UPDATE files SET path = '../c.jsonl' WHERE path = 'general/sa.npy'", "file row '../c.jsonl'"),
+    ("DROP TABLE files", "no 'files' table"),
+    ("DROP TABLE stores", "no 'stores' table"),
+    ("ALTER TABLE stores DROP COLUMN kind", "no column 'kind'"),
+])
+def test_damaged_catalog_is_refused_in_one_line(store, statement, message):
+    """Every reader gets one DatastoreError line: open_datastore, info (with and without --verify),
+    query, and the Retriever."""
+    from echospec.retriever import Retriever
+    damage(store, statement)
+    for call in (lambda: open_datastore(store), lambda: open_datastore(store, verify=True),
+                 lambda: Retriever(store)):
+        with pytest.raises(DatastoreError, match=re.escape(message)):
+            call()
+    for args in (("info", store), ("info", "--verify", store), ("query", store, "--context", "1 2")):
+        assert message in one_line_error(*args)
+
+
+@pytest.mark.parametrize("statement, message", [
+    ("DELETE FROM files WHERE path = 'general/first.npy'", "lists no general/first.npy (store 'general')"),
+    ("DELETE FROM files", "lists no general/tokens.npy"),
+    ("UPDATE speakers SET utterances = 3 WHERE name = 's1'", "speaker 's1' has 3 utterances, the utterances table 13"),
+])
+def test_verify_finds_what_opening_need_not(store, statement, message):
+    damage(store, statement)
+    open_datastore(store)
+    with pytest.raises(DatastoreError, match=re.escape(message)):
+        open_datastore(store, verify=True)
+    assert message in one_line_error("info", "--verify", store)
+
+
+def test_verify_runs_sqlites_integrity_check(store):
+    """Bytes flipped inside a b-tree page: opening may still read what it needs, verify must not pass."""
+    path = store / "catalog.sqlite"
+    db = sqlite3.connect(path)
+    (root_page,) = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'utterances'").fetchone()
+    (page_size,) = db.execute("PRAGMA page_size").fetchone()
+    db.close()
+    data = bytearray(path.read_bytes())
+    header = (root_page - 1) * page_size  # the table's root page: its b-tree header and cell pointers
+    for i in range(header, header + 64):
+        data[i] ^= 0xA5
+    path.write_bytes(bytes(data))
+    with pytest.raises(DatastoreError, match="integrity check failed|damaged catalog|unreadable catalog"):
+        open_datastore(store, verify=True)
+    one_line_error("info", "--verify", store)

@@ -56,8 +56,8 @@ def test_offset_vocabulary_and_stop_ids(tmp_path):
                faiss=False, progress=False)
     assert ds.info()["tokens"] == 5 and ds.info()["vocabulary"]["stop_ids"] == [128261]
     assert ds.info()["vocabulary"]["dtype"] == "uint32"  # 65536 ids + a sentinel do not fit uint16
-    stream = np.asarray(ds.general.tokens).tolist()
-    sentinel = ds.general.sentinel
+    stream = np.asarray(ds.shards[0].tokens).tolist()
+    sentinel = ds.shards[0].sentinel
     assert stream == [sentinel, 0, 1, 2, sentinel, 6, 7, sentinel]  # the stop id split the utterance
 
 
@@ -109,3 +109,59 @@ def test_no_speaker_is_fine_without_per_speaker_stores(tmp_path):
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"tokens": [1, 2, 3]}, {"tokens": [2, 3, 4]}])
     ds = build(corpus, tmp_path / "store", per_speaker=False, faiss=False, progress=False)
     assert ds.speakers == () and open_datastore(tmp_path / "store").info()["tokens"] == 6
+
+
+def test_damaged_archives_and_arrays_are_one_line_corpus_errors(tmp_path):
+    (tmp_path / "fake.npz").write_bytes(b"PK\x03\x04" + b"not a zip archive" * 10)
+    with pytest.raises(CorpusError, match=r"fake.npz: cannot read .npz: File is not a zip file$"):
+        list(read_corpus(tmp_path / "fake.npz", Vocabulary()))
+    np.save(tmp_path / "plain.npy", np.arange(4))
+    (tmp_path / "plain.npy").rename(tmp_path / "plain.npz")
+    with pytest.raises(CorpusError, match="a .npy file, not a .npz archive"):
+        list(read_corpus(tmp_path / "plain.npz", Vocabulary()))
+    np.savez(tmp_path / "good.npz", tokens=np.arange(6), lengths=np.array([3, 3]))
+    data = bytearray((tmp_path / "good.npz").read_bytes())
+    data[len(data) // 2:len(data) // 2 + 16] = b"\xff" * 16  # inside a member: zipfile's CRC or numpy's header
+    (tmp_path / "broken.npz").write_bytes(bytes(data))
+    with pytest.raises(CorpusError, match=r"broken.npz: cannot read .npz: [^\n]+$"):
+        list(read_corpus(tmp_path / "broken.npz", Vocabulary()))
+    np.save(tmp_path / "u.npy", np.arange(5))
+    header = bytearray((tmp_path / "u.npy").read_bytes())
+    header[8] ^= 0x5A  # the header length: numpy fails in its tokenizer, over several lines
+    (tmp_path / "u.npy").write_bytes(bytes(header))
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"speaker": "s", "path": "u.npy"}])
+    with pytest.raises(CorpusError, match=r"m.jsonl:1: cannot read .*u.npy: [^\n]+$"):
+        list(read_corpus(manifest, Vocabulary()))
+
+
+def test_duplicate_ids_are_refused_naming_both_lines(tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "speaker": "s", "tokens": [1, 2]},
+                                                {"id": "b", "speaker": "s", "tokens": [2, 3]},
+                                                {"id": "a", "speaker": "s", "tokens": [3, 4]}])
+    with pytest.raises(CorpusError, match=rf"c.jsonl:3: utterance id 'a' is already used at {corpus}:1"):
+        build(corpus, tmp_path / "s", faiss=False, progress=False)
+    first = write_jsonl(tmp_path / "b.jsonl", [{"id": "a", "speaker": "s", "tokens": [1]},
+                                               {"id": "b", "speaker": "s", "tokens": [2]}])
+    other = write_jsonl(tmp_path / "d.jsonl", [{"id": "b", "speaker": "t", "tokens": [5]}])
+    with pytest.raises(CorpusError, match=r"d.jsonl:1: utterance id 'b' is already used at .*b.jsonl:2"):
+        build([first, other], tmp_path / "s", faiss=False, progress=False)
+    assert not (tmp_path / "s").exists()
+    # lines without an id get "<file stem>:<line>": two files of the same name do not collide
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    rows = [{"speaker": "s", "tokens": [1, 2, 3]}]
+    ds = build([write_jsonl(tmp_path / "x" / "c.jsonl", rows), write_jsonl(tmp_path / "y" / "c.jsonl", rows)],
+               tmp_path / "s", faiss=False, progress=False)
+    assert ds.info()["utterances"] == 2
+
+
+def test_utterances_without_speech_tokens_are_skipped_with_one_warning(tmp_path, caplog):
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "speaker": "s", "tokens": [1, 2]},
+                                                {"id": "b", "speaker": "s", "tokens": []},
+                                                {"id": "c", "speaker": "s", "tokens": [9, 9]},
+                                                {"id": "d", "speaker": "s", "tokens": [3, 9, 4]}])
+    with caplog.at_level("WARNING", logger="echospec.datastore.corpus"):
+        ds = build(corpus, tmp_path / "s", stop_ids=[9], vocab_size=9, faiss=False, progress=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{corpus}:2: utterance has no speech tokens; skipped (and 1 more utterances like it)"]
+    assert ds.info()["utterances"] == 2 and ds.info()["speakers"]["s"]["utterances"] == 2

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from echospec.tools.cli import main
-from echospec.tools.make_corpus import (
+from echospec.tools.corpus.make_corpus import (
     EngineMissingError,
     Speaker,
     check_engines,
@@ -16,7 +16,7 @@ from echospec.tools.make_corpus import (
     make_corpus,
     plan_corpus,
 )
-from echospec.tools.speech_tokenizer import MelConfig, SpeechTokenizer, log_mel, mel_filterbank, resample, train_tokenizer
+from echospec.tools.corpus.speech_tokenizer import MelConfig, SpeechTokenizer, log_mel, mel_filterbank, resample, train_tokenizer
 
 HAVE_ENGINES = shutil.which("espeak-ng") is not None and shutil.which("flite") is not None
 needs_engines = pytest.mark.skipif(not HAVE_ENGINES, reason="espeak-ng and flite not installed (apt-get install espeak-ng flite)")

@@ -17,7 +17,8 @@ VOCAB = 16
 
 def state(history=(), n_generated=None, stops=(), allow_stop=True):
     history = list(history)
-    return NodeState(history, len(history) if n_generated is None else n_generated, tuple(stops), allow_stop)
+    return NodeState(history, len(history) if n_generated is None else n_generated, tuple(stops),
+                     () if allow_stop else tuple(stops))
 
 
 def test_ras_distribution_is_cosyvoices_rule():
@@ -27,9 +28,10 @@ def test_ras_distribution_is_cosyvoices_rule():
     # nucleus: 0.5, 0.2, 0.15 (running sums before them 0, .5, .7 are < .8; .85 is not)
     fresh = ras.distribution(logits, state([0, 4]))
     assert torch.allclose(fresh, torch.tensor([0, 0.5, 0.15, 0.2, 0]) / 0.85, atol=1e-6)
-    # token 1 was generated within the window: drawing it means drawing again from the full softmax
+    # token 1 was generated within the window: drawing it means drawing again from the full softmax without it
     repeated = ras.distribution(logits, state([1, 4]))
-    expected = torch.tensor([0, 0, 0.15, 0.2, 0]) / 0.85 + (0.5 / 0.85) * probs
+    without_1 = torch.tensor([0.05, 0, 0.15, 0.2, 0.1]) / 0.5
+    expected = torch.tensor([0, 0, 0.15, 0.2, 0]) / 0.85 + (0.5 / 0.85) * without_1
     assert torch.allclose(repeated, expected, atol=1e-6)
     # the window holds only generated tokens, not the prompt's
     assert torch.allclose(ras.distribution(logits, state([1, 4], n_generated=1)), fresh, atol=1e-6)
@@ -41,7 +43,7 @@ def test_ras_distribution_is_cosyvoices_rule():
 def test_ras_draws_follow_its_distribution(allow_stop):
     logits = torch.randn(12, generator=torch.Generator().manual_seed(0)) * 2
     stop = int(logits.argsort(descending=True)[1])
-    st = state([3, 5, 3, 7], stops=(stop,), allow_stop=allow_stop)
+    st = state([3, 5, 0, 3], stops=(stop,), allow_stop=allow_stop)  # the most likely token (0) repeats
     ras, generator = RAS(top_p=0.7, top_k=5, win_size=3, tau_r=0.3), torch.Generator().manual_seed(1)
     draws = Counter(ras.sample(logits, st, generator) for _ in range(4000))
     expected = ras.distribution(logits, st).double().numpy() * 4000

@@ -102,8 +102,36 @@ def test_bad_enrollments(tmp_path, store):
     (tmp_path / "e.jsonl").write_text("")
     with pytest.raises(CorpusError, match="corpus is empty"):
         enroll(store, "ann", tmp_path / "e.jsonl")
-    with pytest.raises(DatastoreError, match="speaker name must not be empty"):
+    with pytest.raises(DatastoreError, match="speaker name ' ' must match"):
         enroll(store, " ", jsonl(tmp_path / "a.jsonl", [[1]]))
     with pytest.raises(DatastoreError, match="no such datastore"):
         enroll(tmp_path / "nowhere", "ann", jsonl(tmp_path / "a.jsonl", [[1]]))
     assert "ann" not in open_datastore(store).speakers and digests(store) == before
+
+
+def test_enrollment_corpus_is_checked_as_a_whole(tmp_path, store):
+    """Duplicate ids within one enrollment are refused; utterances with no speech tokens are skipped.
+    Ids already in the catalog are not duplicates: a client may resend an enrollment it saw no answer to."""
+    before = digests(store)
+    dup = tmp_path / "d.jsonl"
+    dup.write_text('{"id": "x", "tokens": [1, 2]}\n{"id": "x", "tokens": [3]}\n')
+    with pytest.raises(CorpusError, match=r"d.jsonl:2: utterance id 'x' is already used at .*d.jsonl:1"):
+        enroll(store, "ann", dup)
+    assert "ann" not in open_datastore(store).speakers and digests(store) == before
+    mixed = tmp_path / "m.jsonl"
+    mixed.write_text('{"id": "x", "tokens": [1, 2]}\n{"id": "y", "tokens": []}\n')
+    assert enroll(store, "ann", mixed).info()["speakers"]["ann"]["utterances"] == 1
+    assert enroll(store, "ann", mixed).info()["speakers"]["ann"]["utterances"] == 2
+
+
+def test_appending_to_a_damaged_speaker_store_is_refused(tmp_path, store):
+    """Out-of-vocabulary ids read back from a damaged store would overflow the new store's sort keys."""
+    ds = enroll(store, "ann", jsonl(tmp_path / "a.jsonl", [[1, 2, 3, 4]] * 2))
+    tokens = np.load(ds.speaker_store("ann").directory / "tokens.npy", mmap_mode="r+")
+    tokens[2] = 60_000  # same size, not the sentinel, far outside vocab_size 50
+    tokens.flush()
+    del tokens
+    with pytest.raises(DatastoreError, match="exact store is damaged .a stored id is outside the vocabulary"):
+        enroll(store, "ann", jsonl(tmp_path / "b.jsonl", [[5, 6]]))
+    enroll(store, "ann", jsonl(tmp_path / "b.jsonl", [[5, 6]]), replace=True)  # replacing needs no old data
+    assert speaker_segments(open_datastore(store, verify=True), "ann") == [[5, 6]]

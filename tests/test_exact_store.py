@@ -44,7 +44,7 @@ def test_store_is_memory_mapped_and_small(tmp_path):
     with open(tmp_path / "c.jsonl", "w") as f:
         f.writelines(json.dumps({"speaker": "s", "tokens": rng.integers(0, 1000, 250).tolist()}) + "\n" for _ in range(200))
     ds = build(tmp_path / "c.jsonl", tmp_path / "store", faiss=False, per_speaker=False, progress=False)
-    for arr in (ds.general.tokens, ds.general.sa, ds.general.first):
+    for arr in (ds.shards[0].tokens, ds.shards[0].sa, ds.shards[0].first):
         assert isinstance(arr.base, np.memmap)  # opening maps files; nothing is read up front
     assert ds.info()["general_bytes_per_token"] <= 8.0
 

@@ -28,7 +28,7 @@ def test_faiss_answers_contexts_with_no_exact_match(tmp_path, corpus):
     assert ds.info()["stores"][-1]["params"]["index"] == "flat"
     tree = Retriever(ds).propose(np.array([5, 17, UNSEEN]))
     assert len(tree) > 0 and set(tree.sources.tolist()) == {SOURCES.index("faiss")}
-    stream = np.asarray(ds.general.tokens).tolist()
+    stream = np.asarray(ds.shards[0].tokens).tolist()
     for leaf in range(len(tree)):  # every path is a real stored continuation
         path, at = [], leaf
         while at >= 0:

@@ -1,10 +1,9 @@
-"""The benchmark's quality measures and the tools' atomic file writes."""
+"""The benchmark's quality measures."""
 
 import numpy as np
 import pytest
 
-from echospec.tools.files import atomic_file
-from echospec.tools.quality import bootstrap_ci, dtw_distance, relative_difference_ci
+from echospec.tools.bench.quality import bootstrap_ci, dtw_distance, relative_difference_ci
 
 
 def test_dtw_ignores_timing_but_not_content():
@@ -35,16 +34,3 @@ def test_relative_difference_is_paired_by_utterance():
     assert change.mean == pytest.approx(-0.1, abs=1e-9)
     assert change.low < change.mean < change.high and change.high - change.low < 0.05
     assert np.isnan(relative_difference_ci([1.0], [1.0, 2.0]).mean)
-
-
-def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
-    target = tmp_path / "report.json"
-    with atomic_file(target) as f:
-        f.write("first")
-    assert target.read_text() == "first" and oct(target.stat().st_mode & 0o777) == "0o644"
-    with pytest.raises(RuntimeError):
-        with atomic_file(target) as f:
-            f.write("half")
-            raise RuntimeError("interrupted")
-    assert target.read_text() == "first"
-    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from echospec.datastore import build
 from echospec.retriever import SOURCES, CandidateTree, Retriever
-from echospec.tools.synth_corpus import SynthConfig, generate
+from echospec.tools.corpus.synth_corpus import SynthConfig, generate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

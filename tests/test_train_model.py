@@ -8,11 +8,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from echospec.tools.cli import main
-from echospec.tools.train_model import TrainConfig, TrainingDataError, lr_at, train_model
-from echospec.tools.tts_prompt import (
+from echospec.tools.corpus import SAMPLE_DIR, SAMPLE_MODEL_DIR
+from echospec.tools.corpus.train_model import TrainConfig, TrainingDataError, lr_at, train_model
+from echospec.tools.corpus.tts_prompt import (
     META_FILE,
-    SAMPLE_DIR,
-    SAMPLE_MODEL_DIR,
     PromptError,
     TTSMeta,
     decode_speech,

@@ -1,0 +1,175 @@
+"""Where a build's tasks (see tasks.py) run: in this process, in local worker processes, or on Ray.
+
+Both runners offer `partition(jobs)` (read the corpus units) and `run(jobs)` (build the stores); each
+yields (key, result) pairs as tasks finish. Every job carries the memory its task needs: Ray reserves it
+(a task waits for a node with that much free), the local runner starts no more processes than fit.
+Ray is imported only here and only for `--ray`: it is the optional `ray` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+
+import multiprocessing
+
+from .errors import CorpusError, DatastoreError
+from .tasks import partition_unit
+
+Job = tuple[object, Callable, dict, int]  # key, task, keyword arguments, bytes of memory the task needs
+DIED = ("a build task died (killed, or out of memory?); the finished shards are kept beside the target: "
+        "run the same build again to resume")
+RETRIES = 2  # Ray re-runs a task whose worker died this many times before the build fails
+
+
+class LocalRunner:
+    """Tasks in this process when one worker suffices, else in a pool of spawned processes (never forked:
+    a forked child of a threaded parent can deadlock), no more at once than memory holds."""
+
+    def __init__(self, workers: int):
+        self.workers = max(1, int(workers))
+
+    def partition(self, jobs: list[Job]) -> Iterator[tuple[object, dict]]:
+        return self.run(jobs)
+
+    def run(self, jobs: list[Job]) -> Iterator[tuple[object, dict]]:
+        if not jobs:
+            return
+        fit = max(1, available_memory() // max(memory for _, _, _, memory in jobs))
+        workers = min(self.workers, len(jobs), fit)
+        if workers == 1:
+            for key, fn, kwargs, _ in jobs:
+                yield key, fn(**kwargs)
+            return
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            pending = {pool.submit(fn, **kwargs): key for key, fn, kwargs, _ in jobs}
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    yield pending.pop(future), future.result()
+        except BrokenProcessPool:
+            raise DatastoreError(DIED) from None
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def close(self) -> None:
+        pass
+
+
+class RayRunner:
+    """Tasks on a Ray cluster: Ray Data reads the corpus units, one Ray task builds each store."""
+
+    def __init__(self, address: str):
+        self.ray = import_ray()
+        self.started = not self.ray.is_initialized()
+        if self.started:  # "auto": the cluster `ray start` left on this machine, else a new local one
+            self.ray.init(address=None if address == "auto" else address, logging_level=logging.WARNING,
+                          log_to_driver=False, configure_logging=True)
+        import ray.data
+
+        logging.getLogger("ray.data").setLevel(logging.ERROR)  # its notes on execution are not the user's
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False  # the build shows its own
+        if hasattr(context, "issue_detectors_config"):
+            context.issue_detectors_config.detectors = []
+
+    def partition(self, jobs: list[Job]) -> Iterator[tuple[object, dict]]:
+        if not jobs:
+            return
+        import ray.data
+
+        items = [{"key": json.dumps(key), "job": json.dumps(kwargs)} for key, _, kwargs, _ in jobs]
+        dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+            _partition_batch, batch_size=1, num_cpus=1, memory=max(m for *_, m in jobs))
+        try:
+            for row in dataset.iter_rows():
+                stats = json.loads(row["stats"])
+                if "error" in stats:
+                    kind, message = stats["error"]
+                    raise (CorpusError if kind == "CorpusError" else DatastoreError)(message)
+                yield json.loads(row["key"]), stats
+        except DatastoreError:
+            raise
+        except Exception as e:
+            raise _library_error(e) from None
+
+    def run(self, jobs: list[Job]) -> Iterator[tuple[object, dict]]:
+        if not jobs:
+            return
+        largest = max(m for *_, m in jobs)
+        offered = max((node["Resources"].get("memory", 0) for node in self.ray.nodes() if node["Alive"]), default=0)
+        if largest > offered:
+            raise DatastoreError(f"a task needs {largest / 2**30:.1f} GiB of memory but the largest Ray node "
+                                 f"offers {offered / 2**30:.1f} GiB: use more shards")
+        remote = {fn: self.ray.remote(fn) for _, fn, _, _ in jobs}
+        pending = {remote[fn].options(num_cpus=1, memory=memory, max_retries=RETRIES).remote(**kwargs): key
+                   for key, fn, kwargs, memory in jobs}
+        try:
+            while pending:
+                done, _ = self.ray.wait(list(pending), num_returns=1)
+                for ref in done:
+                    key = pending.pop(ref)
+                    try:
+                        yield key, self.ray.get(ref)
+                    except Exception as e:
+                        raise _library_error(e) from None
+        finally:
+            for ref in pending:
+                self.ray.cancel(ref, force=True)
+
+    def close(self) -> None:
+        if self.started:
+            self.ray.shutdown()
+
+
+def _partition_batch(batch: dict) -> dict:
+    """Ray Data's map over corpus units: one unit a batch. A bad corpus comes back as a row: Ray Data
+    would pass the exception on as its own, with only the remote traceback's text."""
+    stats = []
+    for job in batch["job"]:
+        try:
+            stats.append(json.dumps(partition_unit(**json.loads(job))))
+        except DatastoreError as e:
+            stats.append(json.dumps({"error": [type(e).__name__, str(e)]}))
+    return {"key": list(batch["key"]), "stats": stats}
+
+
+def _library_error(error: BaseException) -> DatastoreError:
+    """The echospec error a Ray task raised (Ray wraps it, with the remote traceback in its message), or
+    the build's own message when the task failed otherwise (its worker died more than RETRIES times)."""
+    seen = error
+    while seen is not None:
+        cause = getattr(seen, "cause", None) or seen.__cause__
+        if isinstance(seen, DatastoreError) and not type(seen).__module__.startswith("ray"):
+            return seen
+        if isinstance(cause, DatastoreError) and not type(cause).__module__.startswith("ray"):
+            return type(cause)(*cause.args)
+        seen = cause
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return DatastoreError(f"{DIED} ({type(error).__name__}: {first_line})")
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise DatastoreError("building on Ray needs the optional 'ray' extra: pip install 'echospec[ray]'") \
+            from None
+    return ray
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give (MemAvailable), or a generous guess where /proc is absent."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

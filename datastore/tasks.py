@@ -1,0 +1,354 @@
+"""The tasks of a build. Each runs in this process, in a local worker process or on a Ray worker: it takes
+and returns plain data (paths, numbers, dicts) and hands its output on through files in the build's work
+directory, which must therefore be visible to every worker (one machine's disk, or a shared filesystem).
+
+  partition_unit   read one corpus unit (a file, or a Parquet row group); write its utterances' segments to
+                   one file per shard (chosen by a stable hash of the utterance id: an utterance is never
+                   split) and one per speaker group (a hash of the speaker), and their catalog rows.
+                   Utterances with no speech tokens are counted and left out (the driver warns once).
+  build_shard      one shard of the general store from its partition files, with the single-store builder;
+                   a repeated utterance id is refused here, where every copy of an id lands (same hash)
+  build_speakers   the speaker stores of one speaker group
+
+Work directory (`.STORE.work-<key>` beside the datastore; the key digests the corpus files' names, sizes
+and mtimes and the build options, so a changed corpus never reuses old work):
+  parts/unit-000012/chunk-0000.shard-00003.npz   unit 12's segments for shard 3 (tokens, lengths, and the
+                                                 ids the corpus gave with their places, for the id check)
+  parts/unit-000012/chunk-0000.group-00001.npz   its segments for speaker group 1 (+ whose they are)
+  parts/unit-000012/chunk-0000.meta.npz          its utterances' catalog rows, in corpus order
+  parts/unit-000012/done.json                    the unit's counts and files
+  shards/shard-00003/{tokens,sa,first}.npy, manifest.json (each file's size and sha256)
+  speakers/group-00001/<speaker>-<tag>/{tokens,sa,first}.npy, manifest.json
+Each task writes under a temporary name and renames its directory when complete, so a task killed midway
+leaves nothing a re-run could take for finished; a re-run reuses finished units and verified shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import resource
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from .catalog import sha256
+from .corpus import UniqueIds, Utterance, Vocabulary, has_speech, read_unit, split_layout_breaks, split_segments
+from .errors import CorpusError, DatastoreError
+from .exact import FILES, write_exact_store
+from .files import fsync_dir, fsync_tree
+from .names import check_name
+
+CHUNK_TOKENS = 1 << 24
+"""Tokens a partition task holds before writing its files: bounds its memory whatever the unit's size."""
+MANIFEST = "manifest.json"
+
+
+def stable_hash(text: str) -> int:
+    """The same on every machine and Python run (unlike hash(), which is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def speaker_dir(name: str) -> str:
+    """A file-system-safe, unique, fresh directory name for a speaker's store."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:40].strip(".") or "speaker"
+    tag = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{slug}-{tag}-{uuid.uuid4().hex[:8]}"
+
+
+# --- partition ---------------------------------------------------------------------------------------------
+
+
+def partition_unit(work: str, index: int, unit: tuple[str, int], vocab: dict, shards: int, groups: int,
+                   per_speaker: bool) -> dict:
+    """Split one corpus unit into per-shard and per-speaker-group files; returns the unit's counts."""
+    final = Path(work) / "parts" / f"unit-{index:06d}"
+    tmp = _fresh_tmp(final)
+    try:
+        writer = _PartitionWriter(tmp, shards, groups if per_speaker else 0)
+        speakers: set[str] = set()
+        for utt in read_unit(unit, Vocabulary(**{k: tuple(v) if isinstance(v, list) else v
+                                                 for k, v in vocab.items()})):
+            if per_speaker and utt.speaker not in speakers:
+                _check_speaker(utt)
+                speakers.add(utt.speaker)
+            writer.add(utt)
+        stats = {"unit": index, **writer.close()}
+        _write_json(tmp / "done.json", stats)
+        return _publish(tmp, final, "done.json")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _check_speaker(utt: Utterance) -> None:
+    if utt.speaker is None:
+        raise CorpusError(f"{utt.where}: utterance {utt.id!r} has no 'speaker', "
+                          "but per-speaker stores were asked for (use --no-per-speaker or add speakers)")
+    try:
+        check_name("speaker", utt.speaker)
+    except DatastoreError as e:
+        raise CorpusError(f"{utt.where}: {e}; rename the speaker in the corpus, or build with "
+                          f"per_speaker=False (--no-per-speaker)") from None
+
+
+def finished_unit(work: Path, index: int) -> dict | None:
+    """A unit's counts if an earlier run partitioned it completely (every file present, sizes as written)."""
+    directory = work / "parts" / f"unit-{index:06d}"
+    stats = _read_json(directory / "done.json")
+    if stats is None or not all(_size(directory / name) == size for name, size in stats["files"].items()):
+        return None
+    return stats
+
+
+class _PartitionWriter:
+    def __init__(self, directory: Path, shards: int, groups: int):
+        self.directory, self.shards, self.groups = directory, shards, groups
+        self.files: dict[str, int] = {}
+        self.chunk = 0
+        self.shard_tokens = [0] * shards
+        self.shard_segments = [0] * shards
+        self.shard_utterances = [0] * shards
+        self.group_tokens = [0] * groups
+        self.utterances = self.tokens = self.skipped = 0
+        self.first_skipped: str | None = None
+        self.max_id = -1
+        self._reset()
+
+    def _reset(self):
+        self.held = 0
+        self.shard_parts: list[list[np.ndarray]] = [[] for _ in range(self.shards)]
+        self.shard_ids: list[dict[str, list[str]]] = [{"ids": [], "wheres": []} for _ in range(self.shards)]
+        self.group_segments: list[list[np.ndarray]] = [[] for _ in range(self.groups)]
+        self.group_owner: list[list[str]] = [[] for _ in range(self.groups)]  # speaker of each segment
+        self.meta: dict[str, list] = {"ids": [], "speakers": [], "tokens": [], "sources": [], "extras": []}
+
+    def add(self, utt: Utterance) -> None:
+        shard = stable_hash(utt.id) % self.shards
+        if utt.id_given:
+            self.shard_ids[shard]["ids"].append(utt.id)
+            self.shard_ids[shard]["wheres"].append(utt.where)
+        if not has_speech(utt):
+            self.skipped += 1
+            self.first_skipped = self.first_skipped or utt.where
+            return
+        segments = [s.astype(np.uint32) for s in split_segments(utt.tokens)]
+        n = sum(len(s) for s in segments)
+        self.shard_parts[shard].extend(segments)
+        self.shard_tokens[shard] += n
+        self.shard_segments[shard] += len(segments)
+        self.shard_utterances[shard] += 1
+        if self.groups:
+            group = stable_hash(utt.speaker) % self.groups
+            self.group_segments[group].extend(segments)
+            self.group_owner[group].extend([utt.speaker] * len(segments))
+            self.group_tokens[group] += n
+        for key, value in (("ids", utt.id), ("speakers", utt.speaker or ""), ("tokens", n),
+                           ("sources", utt.where),
+                           ("extras", json.dumps(utt.extra, default=str) if utt.extra else "")):
+            self.meta[key].append(value)
+        self.utterances += 1
+        self.tokens += n
+        if n:
+            self.max_id = max(self.max_id, max(int(s.max()) for s in segments))
+        self.held += n
+        if self.held >= CHUNK_TOKENS:
+            self._flush()
+
+    def _flush(self) -> None:
+        prefix = f"chunk-{self.chunk:04d}"
+        for shard, (segments, ids) in enumerate(zip(self.shard_parts, self.shard_ids)):
+            if segments or ids["ids"]:
+                self._save(f"{prefix}.shard-{shard:05d}.npz", **_pack_segments(segments),
+                           **_pack_strings("ids", ids["ids"]), **_pack_strings("wheres", ids["wheres"]))
+        for group, segments in enumerate(self.group_segments):
+            if segments:
+                names, owner = np.unique(np.array(self.group_owner[group]), return_inverse=True)
+                self._save(f"{prefix}.group-{group:05d}.npz", **_pack_segments(segments),
+                           owner=owner.astype(np.int32), **_pack_strings("names", names.tolist()))
+        if self.meta["ids"]:
+            self._save(f"{prefix}.meta.npz", tokens=np.asarray(self.meta["tokens"], np.int64),
+                       **{k: v for key in ("ids", "speakers", "sources", "extras")
+                          for k, v in _pack_strings(key, self.meta[key]).items()})
+        self.chunk += 1
+        self._reset()
+
+    def _save(self, name: str, **arrays) -> None:
+        path = self.directory / name
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+        self.files[name] = path.stat().st_size
+
+    def close(self) -> dict:
+        self._flush()
+        return {"utterances": self.utterances, "tokens": self.tokens, "max_id": self.max_id,
+                "skipped": self.skipped, "first_skipped": self.first_skipped,
+                "shard_tokens": self.shard_tokens, "shard_segments": self.shard_segments,
+                "shard_utterances": self.shard_utterances,
+                "group_tokens": self.group_tokens, "files": self.files}
+
+
+def _pack_segments(segments: list[np.ndarray]) -> dict:
+    tokens = np.concatenate(segments) if segments else np.zeros(0, np.uint16)
+    dtype = np.uint16 if tokens.max(initial=0) < np.iinfo(np.uint16).max else np.uint32
+    return {"tokens": tokens.astype(dtype), "lengths": np.array([len(s) for s in segments], np.int64)}
+
+
+def _pack_strings(key: str, strings: list[str]) -> dict:
+    """Strings as one UTF-8 blob and offsets: a fixed-width NumPy string array would pad every entry to
+    the longest (one long transcript in `extras` would cost every utterance its length)."""
+    blobs = [s.encode() for s in strings]
+    offsets = np.zeros(len(blobs) + 1, np.int64)
+    np.cumsum([len(b) for b in blobs], out=offsets[1:])
+    return {f"{key}_blob": np.frombuffer(b"".join(blobs), np.uint8), f"{key}_offsets": offsets}
+
+
+def unpack_strings(data, key: str) -> list[str]:
+    blob, offsets = data[f"{key}_blob"].tobytes(), data[f"{key}_offsets"]
+    return [blob[offsets[i]:offsets[i + 1]].decode() for i in range(len(offsets) - 1)]
+
+
+def _load_segments(path: Path) -> tuple[list[np.ndarray], dict]:
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    if not len(arrays["lengths"]):  # a shard file may hold only ids (utterances without speech)
+        return [], arrays
+    cuts = np.cumsum(arrays["lengths"])[:-1]
+    return np.split(arrays["tokens"], cuts), arrays
+
+
+# --- shards and speaker groups -----------------------------------------------------------------------------
+
+
+def build_shard(work: str, shard: int, files: list[str], vocab_size: int, depth: int, codebooks: int) -> dict:
+    """Shard `shard` of the general store from its partition files (in corpus order)."""
+    started = time.perf_counter()
+    final = Path(work) / "shards" / f"shard-{shard:05d}"
+    tmp = _fresh_tmp(final)
+    try:
+        _write_json(tmp / "task.json", _whoami())  # which worker builds it, for whoever watches
+        segments, ids = [], UniqueIds()
+        for name in files:
+            parts, arrays = _load_segments(Path(name))
+            segments.extend(parts)
+            for utt_id, where in zip(unpack_strings(arrays, "ids"), unpack_strings(arrays, "wheres")):
+                ids.add(utt_id, where)
+        del ids
+        segments, breaks = split_layout_breaks(segments, vocab_size, codebooks)
+        counts = write_exact_store(tmp, segments, vocab_size, depth)
+        del segments
+        manifest = {"shard": shard, **counts, "layout_breaks": breaks, "files": _checksums(tmp, FILES), **_whoami(),
+                    "peak_rss_bytes": _peak_rss(), "seconds": round(time.perf_counter() - started, 3)}
+        _write_json(tmp / MANIFEST, manifest)
+        return _publish(tmp, final, MANIFEST)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def build_speakers(work: str, group: int, files: list[str], vocab_size: int, depth: int, codebooks: int) -> dict:
+    """The speaker stores of speaker group `group`, each from its segments in corpus order."""
+    started = time.perf_counter()
+    final = Path(work) / "speakers" / f"group-{group:05d}"
+    tmp = _fresh_tmp(final)
+    try:
+        _write_json(tmp / "task.json", _whoami())
+        segments: dict[str, list[np.ndarray]] = {}
+        for name in files:
+            parts, arrays = _load_segments(Path(name))
+            names = unpack_strings(arrays, "names")
+            for segment, owner in zip(parts, arrays["owner"]):
+                segments.setdefault(names[owner], []).append(segment)
+        speakers = []
+        for name in sorted(segments):
+            directory = speaker_dir(name)
+            parts, _ = split_layout_breaks(segments.pop(name), vocab_size, codebooks)
+            counts = write_exact_store(tmp / directory, parts, vocab_size, depth)
+            speakers.append({"name": name, "directory": directory, **counts,
+                             "files": _checksums(tmp / directory, FILES)})
+        manifest = {"group": group, "speakers": speakers, **_whoami(), "peak_rss_bytes": _peak_rss(),
+                    "seconds": round(time.perf_counter() - started, 3)}
+        _write_json(tmp / MANIFEST, manifest)
+        return _publish(tmp, final, MANIFEST)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def finished_store(directory: Path) -> dict | None:
+    """The manifest of a shard or speaker group an earlier run finished, if every file it lists still has
+    its size and sha256; else None (it is then built again)."""
+    manifest = _read_json(directory / MANIFEST)
+    if manifest is None:
+        return None
+    stores = [(directory / s["directory"], s["files"]) for s in manifest["speakers"]] if "speakers" in manifest \
+        else [(directory, manifest["files"])]
+    for where, files in stores:
+        for row in files:
+            path = where / row["name"]
+            if _size(path) != row["bytes"] or sha256(path) != row["sha256"]:
+                return None
+    return manifest
+
+
+def _checksums(directory: Path, names) -> list[dict]:
+    return [{"name": name, "bytes": (directory / name).stat().st_size, "sha256": sha256(directory / name)}
+            for name in names]
+
+
+# --- files -------------------------------------------------------------------------------------------------
+
+
+def _fresh_tmp(final: Path) -> Path:
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _publish(tmp: Path, final: Path, marker: str) -> dict:
+    """Make everything in `tmp` durable, then rename it to `final`. A `final` only ever appears complete
+    (by this rename), so when it already exists another attempt of the same task finished first: keep it.
+    (The driver removes a `final` that failed verification before it runs the task again.)"""
+    fsync_tree(tmp)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / marker).is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync_dir(final.parent)
+    return json.loads((final / marker).read_text())
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def _whoami() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _peak_rss() -> int:
+    """This worker process's peak resident set so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,380 @@
+"""`bench`: autoregressive, HF prompt lookup and echospec's policies side by side on one model and store.
+
+Every system decodes every prompt; the order of systems rotates from prompt to prompt (A B C, B C A, ...)
+so drift on a noisy machine hits all of them alike. Speed is reported as the ratio of median time per
+token to the system's baseline (greedy systems: HF `generate`; sampling systems: autoregressive sampling
+with the same sampler); quality as the target's mean log-likelihood of what was generated and, where the
+tokenizer is known, the log-mel DTW distortion against the reference utterance, each with a 95%
+bootstrap interval over utterances.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from ...datastore.files import atomic_file
+from ..corpus.tts_prompt import TTSMeta, encode_prompt
+from .harness import (
+    POLICIES,
+    BenchError,
+    ForwardCounter,
+    Prompt,
+    RelaxedSettings,
+    System,
+    echospec_run,
+    hf_generate_run,
+    make_policy,
+    measure_cost_curve,
+    plot_cost_curve,
+    pyplot,
+    rotated,
+    save_figure,
+    warm_up,
+)
+from .quality import bootstrap_ci, dtw_distance, relative_difference_ci
+
+__all__ = ["POLICIES", "BenchError", "bench", "format_table", "load_prompts", "summarise"]
+
+
+def load_prompts(prompts, meta: TTSMeta | None, limit: int | None = None) -> list[Prompt]:
+    """Prompts from a JSONL file (or, from Python, a list of dicts of the same fields).
+
+    Each gives `input_ids` (model ids); or `text` + `speaker` for an echospec TTS checkpoint; or
+    `inputs_embeds` — a .pt/.npy file (relative to the JSONL file) holding [T, H] or [1, T, H], or from
+    Python a tensor, an array or a callable returning one — with `prompt_speech` (the store-local ids of the
+    prompt's speech). `speaker`, `id` and `reference_tokens` are optional.
+    """
+    if isinstance(prompts, (str, Path)):
+        try:
+            lines = Path(prompts).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise BenchError(f"cannot read prompts file {prompts}: {e.strerror}") from None
+        rows, folder = [(f"{prompts}:{n}", line) for n, line in enumerate(lines, 1) if line.strip()], Path(prompts).parent
+    else:
+        rows, folder = [(f"prompt {n}", row) for n, row in enumerate(prompts, 1)], Path.cwd()
+    out = []
+    for where, row in rows[:limit]:
+        try:
+            row = json.loads(row) if isinstance(row, str) else dict(row)
+            ids, embeds = None, None
+            if "input_ids" in row:
+                ids = [int(t) for t in row["input_ids"]]
+            elif "inputs_embeds" in row:
+                embeds = _embeddings(row["inputs_embeds"], folder)
+            elif meta is not None:
+                ids = encode_prompt(meta, row["text"], row["speaker"])
+            else:
+                raise BenchError("no input_ids or inputs_embeds, and the checkpoint has no echospec_tts.json to "
+                                 "encode text")
+            speech = row.get("prompt_speech")
+            out.append(Prompt(str(row.get("id", len(out) + 1)), row.get("speaker"), ids, row.get("reference_tokens"),
+                              embeds, None if speech is None else [int(t) for t in speech]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, OSError) as e:
+            raise BenchError(f"{where}: bad prompt ({e})") from None
+    if not out:
+        raise BenchError(f"{prompts if isinstance(prompts, (str, Path)) else 'prompts'} holds no prompts")
+    return out
+
+
+def _embeddings(value, folder: Path):
+    """A prompt's embeddings as a float tensor: from a .pt/.npy path, an array or tensor, or a callable."""
+    import torch
+
+    if callable(value):
+        value = value()
+    if isinstance(value, (str, Path)):
+        path = folder / value
+        value = torch.load(path, weights_only=True) if path.suffix == ".pt" else np.load(path, allow_pickle=False)
+    embeds = torch.as_tensor(value)
+    if embeds.dim() not in (2, 3) or not embeds.is_floating_point():
+        raise ValueError(f"inputs_embeds must be a float [T, H] or [1, T, H] array, got {embeds.dtype} "
+                         f"{tuple(embeds.shape)}")
+    return embeds
+
+
+def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_depths, sweep_policies, max_nodes,
+             max_depth, max_new_tokens, relaxed: RelaxedSettings, hf_baselines: bool, sampler,
+             attach: dict) -> list[System]:
+    counter = ForwardCounter(model)
+    stop_ids = list(speech.stop_ids)
+
+    def hf(**extra):
+        return hf_generate_run(model, counter, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+                               pad_token_id=stop_ids[0], **extra)
+
+    def echospec(policy, store, nodes, depth):
+        return echospec_run(model, retriever if store else None,
+                            lambda seed: make_policy(policy, seed, relaxed, sampler), speech,
+                            speaker=store == "speaker", max_new_tokens=max_new_tokens, max_nodes=nodes,
+                            max_depth=depth, **attach)
+
+    if hf_baselines:
+        systems = [
+            System("autoregressive", hf()),
+            System("hf-prompt-lookup", hf(prompt_lookup_num_tokens=10), "autoregressive", "autoregressive"),
+        ]
+    else:  # a model with its own head, or embeddings prompts: Hugging Face generate cannot run it
+        systems = [System("autoregressive", echospec("exact-greedy", None, 0, 1))]
+    if any(p != "exact-greedy" for p in policies):
+        systems.append(System("ar-sampling", echospec("exact-sampling", None, 0, 1)))
+    for policy in policies:
+        greedy = policy == "exact-greedy"
+        baseline = "autoregressive" if greedy else "ar-sampling"
+        lossless = baseline if policy.startswith("exact") else None
+        for store in stores:
+            systems.append(System(f"{policy}/{store}", echospec(policy, store, max_nodes, max_depth), baseline, lossless))
+    for policy in sweep_policies or ["exact-sampling" if "exact-sampling" in policies else policies[0]]:
+        baseline = "autoregressive" if policy == "exact-greedy" else "ar-sampling"
+        lossless = baseline if policy.startswith("exact") else None
+        for nodes in sweep_nodes:
+            for depth in sweep_depths:
+                if (nodes, depth) != (max_nodes, max_depth):
+                    name = f"{policy}/{stores[0]}/n{nodes}d{depth}"
+                    systems.append(System(name, echospec(policy, stores[0], nodes, depth), baseline, lossless))
+    return systems
+
+
+def verify_cost_curve(model, speech, prompts: list[Prompt], largest: int, context: int = 150, **attach):
+    """This machine's forward time against tree size for `model`, relative to a one-token step.
+
+    Measured mid-utterance (the prompt plus up to `context` tokens of its reference speech), since a tree
+    forward's cost grows with the context faster than a one-token step's; after the prompt alone for
+    embeddings prompts. Returns (curve, context length).
+    """
+    from ...decoder.cost import CURVE_SIZES
+
+    sizes = sorted({s for s in CURVE_SIZES if s < largest} | {largest})
+    prompt = max(prompts, key=lambda p: len(p.reference or ()))
+    if prompt.input_ids is None:
+        embeds = prompt.inputs_embeds
+        curve = measure_cost_curve(model, speech, None, sizes, repeats=20, inputs_embeds=embeds, **attach)
+        return curve, int(embeds.shape[-2])
+    ids = prompt.input_ids + speech.to_model((prompt.reference or [])[:context])
+    return measure_cost_curve(model, speech, ids, sizes, repeats=20, **attach), len(ids)
+
+
+def load_model(checkpoint):
+    """(model, echospec TTS meta or None) of a checkpoint folder — an echospec TTS checkpoint or any Hugging Face
+    causal LM — or of an already loaded model."""
+    from ..corpus.tts_prompt import META_FILE, load_sample_tts
+
+    if not isinstance(checkpoint, (str, Path)):
+        return checkpoint, None
+    if (Path(checkpoint) / META_FILE).exists():
+        return load_sample_tts(checkpoint)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa")
+    except (OSError, ValueError) as e:
+        raise BenchError(f"{checkpoint}: not a Hugging Face causal LM checkpoint ({str(e).splitlines()[0]})") from None
+    return model.eval(), None
+
+
+def speech_vocab(meta: TTSMeta | None, datastore, model, speech_offset=None, vocab_size=None, stop_ids=()):
+    """The model's speech ids: the options given, else an echospec checkpoint's, else the store's (its stop
+    ids, else the model's eos); the codebook layout is the store's."""
+    from ...decoder import SpeechVocab
+
+    if meta is not None and speech_offset is None and vocab_size is None and not stop_ids:
+        return SpeechVocab(meta.speech_offset, meta.speech_vocab_size, (meta.stop_id,))
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    stops = tuple(stop_ids) or datastore.stop_ids or eos
+    if not stops:
+        raise BenchError("no stop id: give --stop-id (the build's), or build the store with it")
+    return SpeechVocab(datastore.speech_offset if speech_offset is None else int(speech_offset),
+                       datastore.vocab_size if vocab_size is None else int(vocab_size), stops, datastore.codebooks)
+
+
+def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None = None, vocab_size: int | None = None,
+          stop_ids=(), head=None, speech_embedding=None, sampler=None, token_rate: float | None = None,
+          tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
+          max_nodes: int | str = 16, max_depth: int = 8, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
+          limit: int | None = None,
+          max_new_tokens: int = 400, threads: int = 1, seed: int = 0, tau: int | None = None, beta: float = 0.2,
+          similarity: float = 0.3, out_dir=None, progress: bool = True) -> dict:
+    """Decode `prompts` with every system; return (and write to `out_dir`) the report as a dict.
+
+    `checkpoint`: an echospec TTS checkpoint folder, any Hugging Face causal LM folder, or (from Python) a
+    loaded model — with `head` and `speech_embedding` for a model with its own speech head and table, as
+    `generate` takes them (CosyVoice: `llm.llm.model`, head=llm.llm_decoder, speech_embedding=llm.speech_embedding).
+    Speech ids: `speech` (a SpeechVocab, e.g. a preset's), else `speech_offset`, `vocab_size`, `stop_ids`
+    (the build's names), else the checkpoint's or the store's. `prompts`: see `load_prompts`. `sampler`
+    (default RAS) is what the sampling policies and their baseline sample with; `token_rate` (speech tokens
+    a second, default the checkpoint's or 25) scales the LM real-time factor. Hugging Face `generate` is the
+    greedy baseline where it can run the model (no head, ids prompts); else echospec's own autoregressive loop.
+    """
+    import torch
+    from tqdm import tqdm
+
+    from ...decoder.cost import node_cap
+    from ...decoder.scoring import mean_log_likelihood
+    from ...retriever import Retriever
+    from ..corpus.speech_tokenizer import SpeechTokenizer
+
+    unknown = set(sweep_policies) - set(policies)
+    if unknown:
+        raise BenchError(f"sweep policies {', '.join(sorted(unknown))} are not among the benchmarked policies")
+    torch.set_num_threads(threads)
+    source = prompts
+    model, meta = load_model(checkpoint)
+    retriever = Retriever(store)
+    speech = speech or speech_vocab(meta, retriever.datastore, model, speech_offset, vocab_size, stop_ids)
+    prompts = load_prompts(prompts, meta, limit)
+    attach = {"head": head, "speech_embedding": speech_embedding}
+    hf_baselines = head is None and speech_embedding is None and all(p.input_ids is not None for p in prompts)
+    mel = SpeechTokenizer.load(tokenizer).tokens_to_logmel if tokenizer else None
+    relaxed = RelaxedSettings.for_vocabulary(speech.size, tau, beta, similarity)
+    systems = _systems(model, retriever, speech, list(policies), list(stores), sweep_nodes, sweep_depths,
+                       list(sweep_policies), max_nodes, max_depth, max_new_tokens, relaxed, hf_baselines, sampler,
+                       attach)
+
+    warm_up(systems, prompts[0], seed)
+    curve, curve_context = verify_cost_curve(model, speech, prompts, max(node_cap(n) for n in [max_nodes, *sweep_nodes]),
+                                             **attach)
+    rows = {s.name: [] for s in systems}
+    for i, prompt in enumerate(tqdm(prompts, desc="bench", unit="utt", disable=not progress)):
+        scored_prompt = {k: v for k, v in prompt.inputs().items() if k != "prompt_speech"}
+        for system in rotated(systems, i):
+            run = system.run(prompt, seed + i)
+            system.accepted.extend(run.accepted)
+            speech_tokens = speech.to_local(run.tokens)
+            rows[system.name].append({
+                "prompt": prompt.id, "tokens": run.tokens, "new_tokens": len(run.tokens), "forwards": run.forwards,
+                "seconds": run.seconds, "time_per_token": run.seconds / max(len(run.tokens), 1),
+                # the prefill, then each step's forward in one-token-step units of this machine's curve
+                "forward_cost": (None if run.tree_sizes is None
+                                 else 1 + float(np.sum(curve.time(run.tree_sizes))) / curve.seconds[0]),
+                "log_likelihood": mean_log_likelihood(model, run.tokens, **scored_prompt, **attach),
+                "mel_distortion": (dtw_distance(mel(speech_tokens), mel(prompt.reference))
+                                   if mel is not None and prompt.reference and speech_tokens else None),
+            })
+    rate = meta.frame_rate if meta is not None and token_rate is None else (token_rate or 25.0)
+    report = summarise(systems, rows, token_rate=rate)
+    report["machine"] = {"threads": threads, "torch": torch.__version__, "cpus": os.cpu_count()}
+    report["verify_cost_curve"] = curve.to_dict() | {"context_tokens": curve_context}
+    report["setup"] = {"checkpoint": str(checkpoint) if isinstance(checkpoint, (str, Path)) else type(model).__name__,
+                       "store": str(store), "prompts": str(source) if isinstance(source, (str, Path)) else "python",
+                       "utterances": len(prompts), "max_nodes": max_nodes, "max_depth": max_depth, "seed": seed,
+                       "speech": {"offset": speech.offset, "size": speech.size, "stop_ids": list(speech.stop_ids),
+                                  "codebooks": speech.codebooks},
+                       "relaxed": asdict(relaxed)}
+    if out_dir is not None:
+        write_report(report, systems, Path(out_dir))
+    return report
+
+
+def summarise(systems: list[System], rows: dict, token_rate: float) -> dict:
+    """Per-system medians, ratios to the baseline, tokens per forward and quality intervals."""
+    median_tpt = {name: float(np.median([r["time_per_token"] for r in runs])) for name, runs in rows.items()}
+    tokens_per_cost = {name: sum(r["new_tokens"] for r in runs) / sum(r["forward_cost"] for r in runs)
+                       for name, runs in rows.items() if all(r["forward_cost"] is not None for r in runs)}
+    summary = {}
+    for system in systems:
+        runs = rows[system.name]
+        tpt = [r["time_per_token"] for r in runs]
+        entry = {
+            "baseline": system.baseline,
+            "tokens_per_forward": sum(r["new_tokens"] for r in runs) / max(sum(r["forwards"] for r in runs), 1),
+            "time_per_token_ms": {"median": 1e3 * median_tpt[system.name], "min": 1e3 * min(tpt), "max": 1e3 * max(tpt)},
+            "speedup": median_tpt[system.baseline] / median_tpt[system.name],
+            # what the forwards alone predict on this machine (retriever, mask, walk and cache work free)
+            "forward_cost_speedup": (tokens_per_cost[system.name] / tokens_per_cost[system.baseline]
+                                     if system.name in tokens_per_cost else None),
+            "lm_rtf": float(np.median([r["time_per_token"] * token_rate for r in runs])),
+            "new_tokens": sum(r["new_tokens"] for r in runs),
+            "log_likelihood": bootstrap_ci([r["log_likelihood"] for r in runs]).to_dict(),
+            "accepted_lengths": np.bincount(system.accepted).tolist() if system.accepted else [],
+        }
+        mel = [r["mel_distortion"] for r in runs if r["mel_distortion"] is not None]
+        entry["mel_distortion"] = bootstrap_ci(mel).to_dict() if mel else None
+        if system.baseline != system.name:  # quality change against the baseline, paired by utterance
+            base = rows[system.baseline]
+            entry["relative_change"] = {
+                measure: relative_difference_ci([r[measure] for r in runs], [b[measure] for b in base]).to_dict()
+                for measure in ("log_likelihood", "mel_distortion")
+                if all(r[measure] is not None for r in runs + base)
+            }
+        if system.lossless_of:
+            # Greedy: identity is the claim. Sampling: the policies draw one number per emitted token
+            # from the same seed as autoregressive sampling, so identity is expected there too, up to
+            # float round-off between a tree forward and a one-token forward flipping a rare draw.
+            reference = rows[system.lossless_of]
+            entry["identical_to_baseline"] = sum(a["tokens"] == b["tokens"] for a, b in zip(runs, reference)) / len(runs)
+        summary[system.name] = entry
+    return {"systems": summary, "utterances": rows}
+
+
+def format_table(report: dict) -> str:
+    """One row per system; quality changes are relative to the system's baseline, with 95% intervals."""
+
+    def change(entry, measure):
+        ci = entry.get("relative_change", {}).get(measure)
+        return f"{100 * ci['mean']:+5.1f}% [{100 * ci['ci95'][0]:+5.1f},{100 * ci['ci95'][1]:+5.1f}]" if ci else "-"
+
+    header = (f"{'system':32} {'tok/fwd':>7} {'TPT ms':>7} {'speed-up':>8} {'fwd-cost':>8} {'LM RTF':>6} {'log-lik':>7} "
+              f"{'vs baseline':>21} {'mel-DTW':>7} {'vs baseline':>21} {'same':>5}")
+    lines = [header, "-" * len(header)]
+    for name, s in report["systems"].items():
+        mel = s["mel_distortion"]
+        same = s.get("identical_to_baseline")
+        predicted = s.get("forward_cost_speedup")
+        lines.append(
+            f"{name:32} {s['tokens_per_forward']:7.2f} {s['time_per_token_ms']['median']:7.2f} {s['speedup']:7.2f}x "
+            f"{'-' if predicted is None else f'{predicted:.2f}x':>8} "
+            f"{s['lm_rtf']:6.3f} {s['log_likelihood']['mean']:7.3f} {change(s, 'log_likelihood'):>21} "
+            f"{mel['mean'] if mel else float('nan'):7.2f} {change(s, 'mel_distortion'):>21} "
+            f"{'-' if same is None else f'{same:.2f}':>5}")
+    curve = report.get("verify_cost_curve")
+    if curve:
+        points = ", ".join(f"{n}: {r:.2f}" for n, r in zip(curve["sizes"], curve["relative"]))
+        lines += ["",
+                  (f"verify-cost curve (tree nodes: forward time / one-token step, {curve['context_tokens']}-token "
+                   f"context): {points}"),
+                  ("fwd-cost: the speed-up this curve predicts from the steps' tree sizes alone; tok/fwd: the speed-up "
+                   "where a tree forward costs one step")]
+    return "\n".join(lines)
+
+
+def write_report(report: dict, systems: list[System], out_dir: Path) -> None:
+    """bench.json, bench.md and bench.png in `out_dir`, each written to a temporary file and renamed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out_dir / "bench.json") as f:
+        json.dump(report, f, indent=1)
+    with atomic_file(out_dir / "bench.md") as f:
+        f.write("```\n" + format_table(report) + "\n```\n")
+    plot(report, systems, out_dir / "bench.png")
+
+
+def plot(report: dict, systems: list[System], path: Path) -> None:
+    """Accepted tree nodes per step for each echospec system; speed-up against quality; the verify-cost curve."""
+    plt = pyplot()
+    fig, (left, right, cost) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [3, 3, 2]})
+    colors = plt.get_cmap("tab20")
+    for i, system in enumerate(systems):
+        color = colors(i % 20)
+        if system.accepted and system.name not in ("autoregressive", "ar-sampling"):
+            counts = np.bincount(system.accepted)
+            left.plot(np.arange(len(counts)), counts / counts.sum(), marker="o", color=color, label=system.name)
+        s = report["systems"][system.name]
+        ll = s["log_likelihood"]
+        right.errorbar(s["speedup"], ll["mean"], yerr=[[ll["mean"] - ll["ci95"][0]], [ll["ci95"][1] - ll["mean"]]],
+                       fmt="o", capsize=3, color=color, label=system.name)
+    left.set(xlabel="tree nodes accepted in a step", ylabel="share of steps", title="Accepted lengths")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    right.set(xlabel="speed-up over its baseline (median time per token)",
+              ylabel="target mean log-likelihood (95% CI)", title="Speed against quality")
+    curve = report.get("verify_cost_curve")
+    if curve:
+        plot_cost_curve(cost, curve, label="this machine")
+        cost.axhline(1.0, color="grey", linestyle="--", label="flat (a GPU, roughly)")
+        cost.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)

@@ -1,0 +1,215 @@
+"""The benchmark harness: what every speed comparison under tools/ does the same way (see BENCHMARKING.md).
+
+- Systems are `System`s whose `run(prompt, seed)` returns a `Run`: the tokens, target forwards, seconds and
+  the tree sizes of one decode. `hf_generate_run` times Hugging Face `generate` (the greedy and prompt-lookup
+  baselines) and `echospec_run` times echospec's `generate`, both counting target forwards the same way.
+- `warm_up` runs every system once before timing (lazy initialisation, numba compilation, page faults);
+  `rotated` gives the order of a round: A B C, B C A, C A B, ..., so drift on a noisy machine hits all alike.
+- The relaxed policies' settings scale the retrieval paper's (τ = 512 of 6561) to the vocabulary:
+  `RelaxedSettings`, `make_policy`.
+- `measure_cost_curve`: the model's forward time against tree size on this machine.
+- `pin_threads` pins a run's thread pools (and its child processes'); `save_figure` writes a plot atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ...datastore.files import atomic_file
+
+POLICIES = ("exact-greedy", "exact-sampling", "filtered", "tolerance", "similarity")
+PAPER_TAU_SHARE = 512 / 6561
+"""The retrieval paper's filtered acceptance used tau = 512 on CosyVoice 2's 6561 speech tokens; the
+same share of a smaller vocabulary keeps the rule's strictness comparable."""
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+class BenchError(ValueError):
+    """A prompts file, checkpoint or option the benchmark cannot use."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: model ids, or embeddings (a tensor [1, T, H] or [T, H]) with the store-local ids of their
+    speech (the retriever's context, which embeddings cannot give)."""
+
+    id: str
+    speaker: str | None
+    input_ids: list[int] | None
+    reference: list[int] | None = None
+    inputs_embeds: object = None
+    prompt_speech: list[int] | None = None
+
+    def inputs(self) -> dict:
+        """The prompt as keyword arguments of echospec's `generate`."""
+        if self.input_ids is not None:
+            return {"input_ids": self.input_ids}
+        return {"inputs_embeds": self.inputs_embeds, "prompt_speech": self.prompt_speech}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One decode: model ids generated, target forwards, seconds, accepted tree nodes per step, and the tree
+    size each step verified (None where a system's candidates are not visible, as in HF prompt lookup)."""
+
+    tokens: list[int]
+    forwards: int
+    seconds: float
+    accepted: list[int]
+    tree_sizes: list[int] | None
+
+
+@dataclass
+class System:
+    """One way of decoding, and what its speed and output are judged against."""
+
+    name: str
+    run: Callable[[Prompt, int], Run]
+    baseline: str = ""  # the system this one's speed-up is measured against (default: itself)
+    lossless_of: str | None = None  # a lossless system must reproduce this one (greedy) or match it in distribution
+    accepted: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.baseline = self.baseline or self.name
+
+
+def rotated(items: list, shift: int) -> list:
+    """`items` starting at `shift` (mod its length): round r of A B C runs A B C, B C A, C A B, ..."""
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def warm_up(systems: list[System], prompt: Prompt, seed: int) -> None:
+    """Run each system once, untimed: first calls pay for lazy initialisation and numba compilation."""
+    for system in systems:
+        system.run(prompt, seed)
+
+
+class ForwardCounter:
+    """Counts the target model's forwards (a pre-hook), so HF's and echospec's systems are counted alike."""
+
+    def __init__(self, model):
+        self.count = 0
+        model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_) -> None:
+        self.count += 1
+
+
+def hf_generate_run(model, counter: ForwardCounter, **generate_options) -> Callable[[Prompt, int], Run]:
+    """Hugging Face greedy `generate` (with `prompt_lookup_num_tokens`: prompt lookup decoding), timed."""
+    import torch
+
+    def run(prompt: Prompt, seed: int) -> Run:
+        ids = torch.tensor([prompt.input_ids])
+        counter.count = 0
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **generate_options)
+        seconds = time.perf_counter() - start
+        # each step after the prefill verifies no tree; prompt lookup's candidate lengths are not seen
+        lookup = "prompt_lookup_num_tokens" in generate_options
+        return Run(out[0, ids.shape[1]:].tolist(), counter.count, seconds, [],
+                   None if lookup else [0] * (counter.count - 1))
+    return run
+
+
+def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, speaker: bool = True,
+                 **generate_options) -> Callable[[Prompt, int], Run]:
+    """echospec's `generate` with `policy(seed)` and `retriever` (None: autoregressive), timed; `speaker`
+    passes the prompt's speaker to the retriever (its speaker store), else only the general store is asked."""
+    from ...decoder import generate
+
+    def run(prompt: Prompt, seed: int) -> Run:
+        result = generate(model, retriever, policy=policy(seed), speech=speech,
+                          speaker=prompt.speaker if speaker else None, **prompt.inputs(), **generate_options)
+        stats = result.stats
+        return Run(result.tokens, stats.target_forwards, stats.wall_seconds, stats.accepted_lengths,
+                   stats.node_budgets)
+    return run
+
+
+@dataclass(frozen=True)
+class RelaxedSettings:
+    tau: int  # Filtered: accept drafts within the target's top-tau
+    beta: float = 0.2  # Tolerance: accept x when r < q(x) + beta
+    similarity: float = 0.3  # SimilarityGroups: cosine threshold of a token's group
+
+    @classmethod
+    def for_vocabulary(cls, size: int, tau=None, beta=0.2, similarity=0.3) -> RelaxedSettings:
+        return cls(tau or max(1, round(PAPER_TAU_SHARE * size)), beta, similarity)
+
+
+def make_policy(name: str, seed: int, relaxed: RelaxedSettings, sampler=None):
+    """The policy called `name` (one of POLICIES), sampling with `sampler` (default RAS) from `seed` where it
+    samples."""
+    from ...decoder import RAS, ExactGreedy, ExactSampling, Filtered, SimilarityGroups, Tolerance
+
+    sampler = sampler or RAS()
+    factories = {
+        "exact-greedy": lambda: ExactGreedy(),
+        "exact-sampling": lambda: ExactSampling(sampler, seed=seed),
+        "filtered": lambda: Filtered(tau=relaxed.tau, sampler=sampler, seed=seed),
+        "tolerance": lambda: Tolerance(beta=relaxed.beta, sampler=sampler, seed=seed),
+        "similarity": lambda: SimilarityGroups(threshold=relaxed.similarity, sampler=sampler, seed=seed),
+    }
+    if name not in factories:
+        raise BenchError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    return factories[name]()
+
+
+def measure_cost_curve(model, speech, input_ids: list[int] | None, sizes=None, repeats: int = 5, *,
+                       inputs_embeds=None, **session_options):
+    """This machine's forward time against tree size for `model` after the prompt (`input_ids` or
+    `inputs_embeds`), relative to a one-token step (a CostCurve); sizes default to the decoder's CURVE_SIZES.
+    `session_options` (head, speech_embedding) go to the SpeculativeSession."""
+    from ...decoder import ExactGreedy, SpeculativeSession
+    from ...decoder.cost import CURVE_SIZES
+
+    session = SpeculativeSession(model, None, ExactGreedy(), speech=speech, max_new_tokens=1, **session_options)
+    session.prefill(input_ids=input_ids, inputs_embeds=inputs_embeds)
+    return session.measure_cost_curve(CURVE_SIZES if sizes is None else sizes, repeats=repeats)
+
+
+def pin_threads(threads: int) -> None:
+    """Pin this run's thread pools to `threads`, and those of the processes it starts (through the
+    environment they inherit). Call it from a command's main, never at import."""
+    for variable in THREAD_VARIABLES:
+        os.environ[variable] = str(threads)
+    if "numba" in sys.modules:
+        import numba
+
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    if "faiss" in sys.modules:
+        sys.modules["faiss"].omp_set_num_threads(threads)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Write a matplotlib figure as PNG to a temporary file and rename it over `path`; close the figure."""
+    import matplotlib.pyplot as plt
+
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=dpi)
+    plt.close(fig)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (benchmarks run on machines without a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_cost_curve(ax, curve: dict, label: str | None = None) -> None:
+    """The verify-cost curve (a CostCurve.to_dict()) on `ax`: forward time over a one-token step, by tree size."""
+    ax.plot(curve["sizes"], curve["relative"], marker="o", label=label)
+    ax.set(xlabel="tree nodes verified", ylabel="forward time / one-token step", title="Verify-cost curve")

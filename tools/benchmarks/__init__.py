@@ -1,0 +1,10 @@
+"""Developer benchmarks: each runs the baseline and echospec side by side in one process, on the shared
+harness (tools/bench/harness.py), and is run as `python -m echospec.tools.benchmarks.NAME --help`.
+
+    bench_decoder       the decoder against Hugging Face generate on a small Llama
+    bench_retriever     the retriever against SuffixDecoding and REST on one corpus
+    bench_service       propose over loopback HTTP beside the in-process retriever
+    bench_shards        sharded builds against workers (local and Ray), proposals over 1, 4, 16 shards
+    retriever_defaults  how the retriever's defaults were chosen (oracle acceptance; not a speed benchmark)
+    rest_reference      REST's retrieval algorithm written plainly: bench_retriever's reference peer
+"""

@@ -1,0 +1,25 @@
+"""The `echospec` command: each subcommand is a thin layer over a library call of the same name.
+
+    store   build, enroll, info, query   echospec.datastore, echospec.retriever
+    serve   serve                        echospec.retriever.service (the service extra)
+    bench   bench, demo                  echospec.tools.bench (the bench extra)
+    corpus  make-corpus, train-model     echospec.tools.corpus (train-model: the decoder extra)
+
+errors.py turns the project's errors and missing extras into one-line messages; options.py holds the
+options several commands share.
+"""
+
+import click
+
+from . import bench, corpus, serve, store
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="echospec")
+def main() -> None:
+    """Retrieval-based speculative decoding for speech-token TTS language models."""
+
+
+for _group in (store, serve, bench, corpus):
+    for _command in _group.COMMANDS:
+        main.add_command(_command)

@@ -1,0 +1,95 @@
+"""`echospec bench` and `echospec demo`: thin layers over echospec.tools.bench.bench and .demo."""
+
+from __future__ import annotations
+
+import click
+
+from ..bench.harness import POLICIES
+from .errors import fail_cleanly, needs_extra
+from .options import limit_option, out_option, threads_option
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+@click.command("bench")
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--store", required=True, type=click.Path(exists=True, file_okay=False), help="Datastore directory.")
+@click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="JSONL: input_ids (or inputs_embeds: a .pt/.npy file, with prompt_speech), or text + speaker for "
+                   "an echospec TTS checkpoint; speaker and reference_tokens optional.")
+@click.option("--speech-offset", type=int, help="Model id of speech id 0 (as for build; default: the store's).")
+@click.option("--vocab-size", type=int, help="Number of speech ids (as for build; default: the store's).")
+@click.option("--stop-id", "stop_ids", multiple=True, type=int,
+              help="Model id that ends speech (repeatable; default: the store's, else the model's eos).")
+@click.option("--token-rate", type=click.FloatRange(min=0, min_open=True),
+              help="Speech tokens per second of audio, for the LM real-time factor [the checkpoint's, else 25].")
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), help="tokenizer.npz for log-mel distortion.")
+@click.option("--policy", "policies", multiple=True, type=click.Choice(POLICIES), help="Policies (default: all).")
+@click.option("--stores", default="speaker,general", show_default=True, help="Which stores: speaker, general.")
+@click.option("--nodes", default="16", show_default=True, help="Node budget: an integer or 'auto'.")
+@click.option("--depth", default=8, show_default=True, type=click.IntRange(1, 64))
+@click.option("--sweep-nodes", default="", help="Node budgets to sweep, e.g. 8,32,64.")
+@click.option("--sweep-depths", default="", help="Depths to sweep, e.g. 4,12.")
+@click.option("--sweep-policy", "sweep_policies", multiple=True, type=click.Choice(POLICIES),
+              help="Policies the sweeps run (default: exact-sampling if benchmarked, else the first policy).")
+@limit_option()
+@click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
+@threads_option
+@click.option("--seed", default=0, show_default=True)
+@click.option("--tau", type=click.IntRange(1), help="Filtered: top-tau (default: the paper's 512/6561 of the vocabulary).")
+@click.option("--beta", default=0.2, show_default=True, type=click.FloatRange(0, 1), help="Tolerance's beta.")
+@click.option("--similarity", default=0.3, show_default=True, type=click.FloatRange(-1, 1),
+              help="SimilarityGroups' cosine threshold.")
+@out_option("runs/bench")
+@needs_extra("bench")
+@fail_cleanly
+def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_ids, token_rate, tokenizer, policies,
+                  stores, nodes, depth, sweep_nodes, sweep_depths, sweep_policies, limit, max_new_tokens, threads, seed,
+                  tau, beta, similarity, out_dir):
+    """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT: an echospec TTS
+    checkpoint or any Hugging Face causal LM folder (a model with its own speech head: the Python API,
+    echospec.tools.bench.bench(..., head=...)).
+
+    \b
+    echospec bench tools/sample/model --store runs/demo/store --prompts tools/sample/prompts.jsonl \\
+        --tokenizer tools/sample/tokenizer.npz --limit 20 --sweep-nodes 8,32
+    echospec bench ./Llasa-1B --store llasa --prompts prompts.jsonl \\
+        --speech-offset 128264 --vocab-size 65536 --stop-id 128261
+    """
+    from ..bench import bench, format_table
+
+    stores = tuple(s.strip() for s in stores.split(",") if s.strip())
+    if not stores or set(stores) - {"speaker", "general"}:
+        raise click.BadParameter("use speaker and/or general", param_hint="--stores")
+    if nodes != "auto" and not nodes.isdigit():
+        raise click.BadParameter("an integer or 'auto'", param_hint="--nodes")
+    report = bench(checkpoint, store, prompts, speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
+                   token_rate=token_rate, tokenizer=tokenizer, policies=policies or POLICIES, stores=stores,
+                   max_nodes=nodes if nodes == "auto" else int(nodes), max_depth=depth,
+                   sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,),
+                   sweep_policies=sweep_policies, limit=limit,
+                   max_new_tokens=max_new_tokens, threads=threads, seed=seed, tau=tau, beta=beta,
+                   similarity=similarity, out_dir=out_dir)
+    click.echo(format_table(report))
+    click.echo(f"\nWrote {out_dir}/bench.json, bench.md and bench.png")
+
+
+@click.command("demo")
+@out_option("runs/demo")
+@limit_option(12, help="Held-out sentences to synthesize.")
+@threads_option
+@needs_extra("bench")
+@fail_cleanly
+def demo_command(out_dir, limit, threads):
+    """The embedded default: build stores from the shipped sample, query, and benchmark every policy."""
+    from ..bench import demo
+
+    demo(out_dir=out_dir, limit=limit, threads=threads, echo=click.echo)
+
+
+COMMANDS = (bench_command, demo_command)

@@ -1,0 +1,61 @@
+"""What goes wrong becomes one line: the project's errors, and a missing extra, end a command with
+`Error: <message>` and exit status 1, never a traceback."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from importlib.util import find_spec
+
+import click
+
+EXTRAS = {
+    "decoder": ("torch", "transformers", "safetensors"),
+    "service": ("fastapi", "uvicorn", "httptools", "prometheus_client"),
+    "bench": ("torch", "transformers", "safetensors", "matplotlib"),
+}
+"""The modules a command imports from each extra of pyproject.toml (import names, not distribution names)."""
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What bad input raises: a datastore or corpus error, a ValueError (bad prompts, checkpoints, options,
+    training data), an OSError (a path that cannot be read or written), or make-corpus's missing engine or
+    failed synthesis. Imported when an error is being handled, so no command pays for it at start-up."""
+    from ...datastore import DatastoreError
+    from ..corpus.make_corpus import EngineMissingError, SynthesisError
+
+    return (DatastoreError, EngineMissingError, SynthesisError, ValueError, OSError)
+
+
+def fail_cleanly(command):
+    """Turn the project's errors into a one-line message with exit status 1."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except BrokenPipeError:  # the reader went away (`| head`): nothing to say and nowhere to say it
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
+        except Exception as e:
+            if not isinstance(e, user_errors()):
+                raise
+            raise click.ClickException(str(e)) from None
+    return wrapper
+
+
+def needs_extra(extra: str):
+    """Refuse to run, naming the extra to install, when a module the command needs from `extra` is missing."""
+    def decorate(command):
+        @functools.wraps(command)
+        def wrapper(*args, **kwargs):
+            missing = next((module for module in EXTRAS[extra] if find_spec(module) is None), None)
+            if missing is not None:
+                name = click.get_current_context().command_path
+                raise click.ClickException(f"{name} needs the {extra} extra ({missing} is not installed): "
+                                           f"pip install 'echospec[{extra}]'")
+            return command(*args, **kwargs)
+        return wrapper
+    return decorate

@@ -1,0 +1,48 @@
+"""`echospec serve`: a thin layer over echospec.retriever.service.serve."""
+
+from __future__ import annotations
+
+import click
+
+from .errors import fail_cleanly, needs_extra
+
+
+@click.command()
+@click.argument("stores", nargs=-1, required=True, metavar="STORE...")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. Loopback by default; anything else exposes proposals to the network.")
+@click.option("--port", default=8750, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False),
+              help="File holding the write (enrollment) API key; default: $ECHOSPEC_API_KEY. Without one, "
+                   "enrollment is disabled.")
+@click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0.001),
+              help="Largest request body.")
+@click.option("--max-batch", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Most contexts in one propose request.")
+@click.option("--max-nodes", default=16, show_default=True, type=click.IntRange(min=0),
+              help="Default node budget of a proposal (a request may ask for another).")
+@click.option("--max-depth", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Default depth of a proposal (a request may ask for another).")
+@click.option("--reload-interval", default=1.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds between checks for writes made by other processes (0: never check).")
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--docs", is_flag=True, help="Also serve the API's description: /docs, /redoc, /openapi.json.")
+@needs_extra("service")
+@fail_cleanly
+def serve(stores, host, port, api_key_file, max_body_mb, max_batch, max_nodes, max_depth, reload_interval,
+          log_level, docs) -> None:
+    """Serve datastores over HTTP: propose, list stores and speakers, enroll, /healthz, /metrics.
+
+    Each STORE is a datastore directory, served under its directory name, or NAME=DIR.
+    """
+    from ...retriever.service import Limits
+    from ...retriever.service import serve as run
+
+    limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_batch=max_batch)
+    run(stores, host=host, port=port, api_key_file=api_key_file, limits=limits,
+        retriever_options={"max_nodes": max_nodes, "max_depth": max_depth}, reload_interval=reload_interval or None,
+        log_level=log_level, docs=docs)
+
+
+COMMANDS = (serve,)
