@@ -81,7 +81,7 @@ def policy_from_generation_config(config) -> Policy:
 
 def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, *,
                 retriever=None, policy: Policy | None = None, speech: SpeechVocab | None = None,
-                speech_embedding=None, speaker=None, prompt_speech=None, max_nodes: int | str = 16,
+                speech_embedding=None, speaker=None, prompt_speech=None, max_nodes: int | str = "auto",
                 max_depth: int = 8, token_rate: float = 25.0, retriever_timeout: float = 0.1,
                 seed: int | None = None, **model_kwargs) -> torch.LongTensor:
     """Hugging Face's `custom_generate` entry point: `model.generate(ids, custom_generate=hf_generate, retriever=r)`.

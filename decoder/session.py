@@ -20,13 +20,14 @@ from transformers.cache_utils import DynamicLayer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..retriever.tree import CandidateTree
-from .cost import CURVE_SIZES, AutoBudget, CostCurve, FixedBudget
+from .cost import CURVE_CONTEXT_STEP, CURVE_SIZES, AutoBudget, CostCurve, FixedBudget, StepRecord
 from .errors import DecoderInputError, UnsupportedModelError
 from .policies import ExactGreedy, Policy, VerifiedTree
 from .sampling import NodeState
 from .vocab import SpeechVocab
 
 ALLOWED_ATTENTION = ("eager", "sdpa")
+AUTO_CURVE_ROUNDS, AUTO_CURVE_SECONDS = 16, 1.0  # the auto budget's curve: at most 16 rounds, about 1 s (at least 3)
 
 
 def check_model(model, head=None) -> None:
@@ -112,16 +113,16 @@ class SpeculativeSession:
     `speech_embedding` (a table or callable) embeds generated tokens when they have their own table.
     `min_length_stop_ids` are the stop ids masked while fewer than `min_new_tokens` are generated (None:
     all of them, as Hugging Face does; CosyVoice masks only its first, see `presets`).
-    `max_nodes` is a fixed per-step node budget, or "auto": each step's budget maximises expected tokens
-    per second from the model's verify-cost curve (measured once per model) and the acceptance seen so far
-    (per retriever and policy kind); see `cost.AutoBudget`. A retriever that raises or takes longer than
+    `max_nodes` is "auto" (the default): each step verifies the part of the tree that maximises expected
+    tokens per second, or none of it, from the model's verify-cost curve (measured once per model) and the
+    acceptance seen so far (per retriever and policy kind); see `cost.AutoBudget`. An int pins the budget. A retriever that raises or takes longer than
     `retriever_timeout` seconds makes that step autoregressive. `generated` holds the model ids emitted so far.
     """
 
     def __init__(self, model, retriever=None, policy: Policy | None = None, *, head=None,
                  speech: SpeechVocab | None = None, speech_embedding=None, speaker=None, prompt_speech=None,
                  max_new_tokens: int = 2048, min_new_tokens: int = 0, min_length_stop_ids=None,
-                 max_nodes: int | str = 16, max_depth: int = 8, token_rate: float = 25.0,
+                 max_nodes: int | str = "auto", max_depth: int = 8, token_rate: float = 25.0,
                  retriever_timeout: float = 0.1, cost_curve: CostCurve | None = None):
         check_model(model, head)
         self.model, self.retriever, self.speaker, self.head = model, retriever, speaker, head
@@ -198,11 +199,12 @@ class SpeculativeSession:
         if rows is not None and max(ids) >= rows:
             raise DecoderInputError(f"generated id {max(ids)} falls outside speech_embedding's {rows} rows")
         table, tensor = self.speech_embedding, torch.tensor(ids, device=self.model.device)
-        vectors = table[tensor] if isinstance(table, torch.Tensor) else table(tensor)
-        return vectors.to(self.model.dtype)[None]
+        vectors = table[tensor.to(table.device)] if isinstance(table, torch.Tensor) else table(tensor)
+        return vectors.to(device=self.model.device, dtype=self.model.dtype)[None]
 
     def _logits(self, inputs: dict, last_only: bool = False, **kwargs) -> torch.Tensor:
-        """The model's logits [1, T, V] (only the last position's with `last_only`), filling the cache."""
+        """The model's logits [1, T, V] as float32 on the host (only the last position's with `last_only`),
+        filling the cache."""
         start = time.perf_counter()
         if self.head is None:
             logits = self.model(**inputs, cache=self.cache, use_cache=True, logits_to_keep=int(last_only),
@@ -210,15 +212,15 @@ class SpeculativeSession:
         else:
             hidden = self.backbone(**inputs, cache=self.cache, use_cache=True, **kwargs).last_hidden_state
             logits = self.head(hidden[:, -1:] if last_only else hidden)
-        self.stats.forward_seconds += time.perf_counter() - start
+        logits = logits.float().cpu()  # policies and their seeded CPU generators work on the host
+        self.stats.forward_seconds += time.perf_counter() - start  # after the copy: a GPU's call returns early
         self.stats.target_forwards += 1
         return logits
 
     def _forward(self, ids: list[int], positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         inputs = {"inputs_embeds": self._embed(ids)} if self.speech_embedding is not None else {
             "input_ids": torch.tensor([ids], device=self.model.device)}
-        logits = self._logits(inputs, attention_mask=mask, position_ids=positions[None].to(self.model.device))
-        return logits[0].float().cpu()  # policies and their seeded CPU generators work on the host
+        return self._logits(inputs, attention_mask=mask, position_ids=positions[None].to(self.model.device))[0]
 
     # ---- prefill ------------------------------------------------------------------------------------
 
@@ -249,14 +251,15 @@ class SpeculativeSession:
                                     f"{self.max_positions} positions")
         prompt_speech = self.prompt_speech if self.prompt_speech is not None else self.speech.to_local(self.prompt_ids)
         self.context = list(prompt_speech)
-        logits = self._logits(inputs, last_only=True)[0, -1:].float().cpu()
+        logits = self._logits(inputs, last_only=True)[0, -1:]
         if any(type(layer) is not DynamicLayer for layer in self.cache.layers):
             raise UnsupportedModelError("the model's cache has layers other than full-attention DynamicLayer")
         self.cached = length
         _, bonus = self.policy.walk(VerifiedTree(logits, [], [[]], self._state_at))
         emitted = self._emit([bonus])
         if self.retriever is not None and not self.finished:
-            self.budget.start(self.model, self.retriever, type(self.policy), self.measure_cost_curve)
+            self.budget.start(self.model, self.retriever, type(self.policy), self.speaker,
+                              lambda: self.measure_cost_curve(repeats=AUTO_CURVE_ROUNDS, max_seconds=AUTO_CURVE_SECONDS))
             if self.budget.curve is not None:
                 self.stats.cost_curve = self.budget.curve.to_dict()
         return emitted
@@ -313,11 +316,13 @@ class SpeculativeSession:
             raise DecoderInputError(f"the retriever returned {type(tree).__name__}, not a CandidateTree")
         self.speech.to_model(tree.tokens)  # raises on ids outside the store's vocabulary
         tree = self._usable(tree, depth_cap)
-        return self.budget.fit(tree, elapsed, len(self.generated))
+        return self.budget.fit(tree, time.perf_counter() - start, len(self.generated), self.cached)
 
     def _usable(self, tree: CandidateTree, depth_cap: int) -> CandidateTree:
         """Drop nodes deeper than this step may go and everything below a stop token."""
         stops = set(self.speech.stop_ids)
+        if int(tree.depths.max(initial=0)) <= depth_cap and not any(self.speech.is_speech(t) for t in stops):
+            return tree  # the usual case (stores hold speech ids only): nothing to drop, no loop over nodes
         open_nodes = {-1}  # nodes whose children may be kept
         keep = []
         for i in range(len(tree)):
@@ -346,12 +351,14 @@ class SpeculativeSession:
         silently wrong there; SDPA takes either form.
         """
         n, dtype, start = len(tree), self.model.dtype, self.cached + 1
-        # built as one bool array in NumPy, then a single fill: per-op torch overhead dominates at this size
-        blocked = np.zeros((n + 1, start + n), dtype=bool)  # the prefix and the root are visible to every row
-        blocked[0, start:] = True  # the root sees no tree node
-        blocked[1:, start:] = ~tree.mask  # a node sees only itself and its ancestors
-        mask = torch.zeros(blocked.shape, dtype=dtype).masked_fill_(torch.from_numpy(blocked), torch.finfo(dtype).min)
-        return mask[None, None].to(self.model.device)
+        # built in NumPy and converted once: per-op torch overhead dominates at this size. The dtype's
+        # minimum is exact in float32 for float16 and bfloat16 alike.
+        mask = np.zeros((1, 1, n + 1, start + n), np.float32)  # the prefix and the root are visible to every row
+        block = mask[0, 0, :, start:]
+        blocked = float(torch.finfo(dtype).min)
+        block[0] = blocked  # the root sees no tree node
+        block[1:][~tree.mask] = blocked  # a node sees only itself and its ancestors
+        return torch.from_numpy(mask).to(device=self.model.device, dtype=dtype)
 
     def accept(self, verified: VerifiedTree) -> tuple[list[int], int | None]:
         """The policy's walk: accepted node indices and the bonus token (None after a stop token)."""
@@ -383,16 +390,19 @@ class SpeculativeSession:
         if self.cached >= self.max_positions:
             self.finished = True
             return []
-        position = len(self.generated)
+        position, context = len(self.generated), self.cached
         tree = self.propose()
-        start = time.perf_counter()
+        start, forward_seconds = time.perf_counter(), self.stats.forward_seconds
         verified = self.verify(tree)
+        walk_start = time.perf_counter()
         path, bonus = self.accept(verified)
+        walk_seconds = time.perf_counter() - walk_start
         emitted = self._emit([verified.tokens[i] for i in path] + ([] if bonus is None else [bonus]))
         # the cache holds every emitted token but the last: fewer emitted (a stop, the length limit) keep fewer
         self.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
-        self.budget.observe(position, len(tree), len(path), time.perf_counter() - start, self.generated,
-                            self.finished)
+        record = StepRecord(position, context, len(tree), len(path), self.stats.forward_seconds - forward_seconds,
+                            walk_seconds, time.perf_counter() - start)
+        self.budget.observe(record, self.generated, self.finished)
         self.stats.accepted_lengths.append(len(path))
         self.stats.node_budgets.append(len(tree))
         return emitted
@@ -426,29 +436,62 @@ class SpeculativeSession:
         return emitted
 
     @torch.no_grad()
-    def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 5) -> CostCurve:
-        """Forward time of a verify step against tree size, on the live cache (cropped back after each).
+    def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 5, context_step: int = CURVE_CONTEXT_STEP,
+                           max_seconds: float | None = None) -> CostCurve:
+        """Forward time of a verify step against tree size, on the live cache (cropped back after each),
+        and again with `context_step` more (filler) tokens cached: a tree's rows each attend to the whole
+        context, so its forward grows with the context faster than a one-token step's.
 
-        Sizes are timed round-robin after a warm-up round, so a noisy moment hits every size alike, in a
-        fresh order each round: a size timed right after the largest one runs slower (measured: the
-        one-token step by 10-20%), and a fixed order put that on the one-token step every round. The
-        curve keeps each size's median time and is made non-decreasing (more tokens never cost less).
+        Sizes are timed round-robin after a warm-up round, in a fresh order each round: a size timed
+        right after the largest one runs slower (measured: the one-token step by 10-20%), and a fixed
+        order put that on the one-token step every round. Each round times both contexts, and the
+        shape is the median over rounds of each round's times relative to its own one-token step, so
+        load that comes and goes between rounds (another process on the cores) cancels; taking each
+        size's median time instead put a 1-node tree at 5x a plain step on a loaded 2-core machine. The
+        shape is made non-decreasing (more tokens never cost less) and scaled by the one-token step's
+        median time. `max_seconds` caps the rounds after the warm-up (at least 3) so a large model on a
+        CPU is not held up long; the longer context is skipped when the model has no room for it.
         """
-        sizes = [s for s in sizes if self.cached + s < self.max_positions]
+        sizes = sorted({0, *(s for s in sizes if self.cached + s < self.max_positions)})
+        longer = context_step > 0 and self.max_positions - 1 - self.cached - max(sizes) >= context_step
+        forwards, forward_seconds = self.stats.target_forwards, self.stats.forward_seconds
         chains = [CandidateTree.from_sequences([[0] * n], max_nodes=n, max_depth=n) for n in sizes]
-        forwards = self.stats.target_forwards
-        times = [[] for _ in sizes]
         orders = np.random.default_rng(0)
-        for _ in range(repeats + 1):
-            for i in orders.permutation(len(chains)).tolist():
-                chain = chains[i]
-                start = time.perf_counter()
-                self.verify(chain)
-                times[i].append(time.perf_counter() - start)
-                self.cache.crop(-(len(chain) + 1))
-        self.stats.target_forwards = forwards
-        typical = np.maximum.accumulate([float(np.median(t[1:])) for t in times])
-        return CostCurve(list(sizes), [float(t) for t in typical])
+        short, long_ = [], []
+        wanted = repeats + 1
+        while len(short) < wanted:
+            began = time.perf_counter()
+            short.append(self._time_chains(chains, orders))
+            if longer:
+                self._forward([self.generated[-1]] * context_step, self.cached + torch.arange(context_step), None)
+                self.cached += context_step
+                long_.append(self._time_chains(chains, orders))
+                self.cache.crop(-context_step)
+                self.cached -= context_step
+            if len(short) == 1 and max_seconds is not None:  # the warm-up round says what a round costs
+                wanted = 1 + min(repeats, max(3, int(max_seconds / (time.perf_counter() - began))))
+        self.stats.target_forwards, self.stats.forward_seconds = forwards, forward_seconds  # not the utterance's
+        curve = CostCurve(sizes, _typical_curve(short[1:]), context=self.cached)
+        if longer:
+            curve.longer, curve.step = _typical_curve(long_[1:]), context_step
+        return curve
+
+    def _time_chains(self, chains: list[CandidateTree], orders: np.random.Generator) -> np.ndarray:
+        times = np.zeros(len(chains))
+        for i in orders.permutation(len(chains)).tolist():
+            start = time.perf_counter()
+            self.verify(chains[i])
+            times[i] = time.perf_counter() - start
+            self.cache.crop(-(len(chains[i]) + 1))
+        return times
+
+
+def _typical_curve(rounds: list[np.ndarray]) -> list[float]:
+    """Median over rounds of each round's times relative to its one-token step, made non-decreasing,
+    times the one-token step's median."""
+    rounds = np.array(rounds)
+    shape = np.maximum.accumulate(np.median(rounds / rounds[:, :1], axis=0))
+    return [float(s) for s in shape * np.median(rounds[:, 0])]
 
 
 def _check_batch(shape, dims: int, name: str) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .errors import DecoderInputError
 
 
@@ -44,8 +46,8 @@ class SpeechVocab:
 
     def to_model(self, local_ids) -> list[int]:
         """Model ids of store-local ids; raises DecoderInputError on ids outside 0..size-1."""
-        ids = [int(t) for t in local_ids]
-        bad = [t for t in ids if not 0 <= t < self.size]
-        if bad:
+        ids = np.asarray(local_ids, dtype=np.int64).ravel()  # one array op: the decoder converts every tree
+        if ids.size and (ids.min() < 0 or ids.max() >= self.size):
+            bad = ids[(ids < 0) | (ids >= self.size)].tolist()
             raise DecoderInputError(f"speech ids {bad[:5]} are outside the store's vocabulary 0..{self.size - 1}")
-        return [t + self.offset for t in ids]
+        return (ids + self.offset).tolist()

@@ -101,3 +101,21 @@ def test_cosyvoice_style_speech_table_and_offset():
     trees = generate(model, scripted, inputs_embeds=embeds, speech=speech, speech_embedding=table, max_new_tokens=30)
     assert trees.tokens == plain.tokens
     assert all(speech.is_speech(t) for t in plain.tokens) and trees.stats.tokens_per_forward > 1.5
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bfloat16_model_decodes_with_trees(attn):
+    # bfloat16 end to end: the tree mask in the model's dtype (its minimum, not -inf), embeddings cast;
+    # peaked distributions leave no near-tie for bfloat16 rounding to flip, so the output is greedy's
+    model = tiny_model("qwen2", attn, VOCAB, seed=3, sharpen=8.0).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(3):
+        ids = torch.randint(0, VOCAB, (1, 8), generator=gen)
+        reference = hf_greedy(model, ids, "ids", 30)
+        scripted = Scripted(reference, ids.shape[1], VOCAB, seed=trial)
+        result = ours(model, ids, "ids", scripted, 30, max_nodes=8)
+        assert result.tokens == reference and result.stats.tokens_per_forward > 1.5
+    session = SpeculativeSession(model, None, ExactGreedy(), speech=SpeechVocab(0, VOCAB), max_new_tokens=4)
+    session.prefill(input_ids=ids)
+    mask = session._tree_mask(CandidateTree.from_sequences([[1, 2], [3]]))
+    assert mask.dtype == torch.bfloat16 and float(mask.min()) == torch.finfo(torch.bfloat16).min

@@ -54,7 +54,8 @@ def decode(model, ids, retriever, streamer=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "retriever failed ...: this step runs autoregressively"
         return generate(model, retriever, input_ids=ids, policy=ExactGreedy(), speech=SpeechVocab(0, VOCAB),
-                        speaker="model", max_new_tokens=NEW_TOKENS, retriever_timeout=5.0, streamer=streamer)
+                        speaker="model", max_new_tokens=NEW_TOKENS, retriever_timeout=5.0, streamer=streamer,
+                        max_nodes=16)  # pinned: the same trees step by step, whatever the machine's timings
 
 
 def test_remote_decoding_equals_in_process(setup):
