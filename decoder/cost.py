@@ -31,6 +31,8 @@ TIE = 0.02  # of trees within 2% of the best rate, the smallest: the cost of a l
 EXPLORE_EVERY, EXPLORE_NODES = 4, 8  # relaxed policies: verify every 4th declined tree (8 nodes at least)
 MAX_SKIP = 32  # while asking the retriever does not pay, ask at least every 33rd step
 WINDOW = 32  # recent steps the cost terms are medians over
+SIZE_SEEN = 8  # a tree size's own median counts once 8 recent steps had it (on a GPU a new shape's first
+# forwards can take 10x longer: three of them once priced 8-node trees at 48 ms a step)
 OBSERVE_EVERY = 8  # steps taken in at a time, once the first 32 trees have been scored one step at a time
 SE_PRIOR = 14  # an unseen cell's standard error is that of 16 nodes (prior weight 2 + 14): shrunk, not zeroed
 CONTEXT_BIN = 16  # step costs are worked out afresh each step, or when the context moves this far
@@ -351,19 +353,19 @@ class StepCosts:
                                         - self.per_token * (step.accepted + 1))
             self._residual_steps += 1
         filled = min(self._residual_steps, self._residuals.shape[1])
-        self.base, x0, x1, centres, medians, counts = _residual_model(self._residuals[:, :filled], _SIZES)
-        seen = counts[self._bins] >= 3
+        self.base, x0, x1, centres, medians, counts = _residual_model(self._residuals[:, :filled], _SIZES, SIZE_SEEN)
+        seen = counts[self._bins] >= SIZE_SEEN
         self.extra = np.where(seen, medians[self._bins] + x1 * (self._nodes - centres[self._bins]),
                               x0 + x1 * self._nodes)
         self.extra[0] = 0.0
 
 
 @njit(cache=True, nogil=True)
-def _residual_model(residuals, sizes):
+def _residual_model(residuals, sizes, min_count):
     """What recent steps took beyond their forward and walk: (base, x0, x1, centres, medians, counts):
     base the plain steps' median; per curve size (the tree sizes at or below it), the median size and the
     median beyond base of its steps, and their count; x0 + x1 * n a line through the medians of sizes
-    seen at least 3 times, weighted by count (x1 = 0 and x0 their median while fewer than two are)."""
+    seen at least `min_count` times, weighted by count (x1 = 0 and x0 their median while fewer than two are)."""
     nodes, seconds = residuals[0], residuals[1]
     plain = nodes == 0
     base = np.median(seconds[plain]) if plain.any() else 0.0
@@ -374,7 +376,7 @@ def _residual_model(residuals, sizes):
         counts[b] = members.sum()
         if counts[b]:
             centres[b], medians[b] = np.median(nodes[members]), np.median(seconds[members]) - base
-    fit = counts >= 3
+    fit = counts >= min_count
     if not fit.any():
         tree = ~plain
         return base, (np.median(seconds[tree]) - base) if tree.any() else 0.0, 0.0, centres, medians, counts
@@ -464,6 +466,9 @@ class FixedBudget:
 
     def observe(self, step: StepRecord, generated: list[int], finished: bool) -> None:
         pass
+
+    def summary(self) -> None:
+        return None
 
 
 @dataclass
@@ -563,6 +568,18 @@ class AutoBudget:
             self.nodes.costs.observe(self._steps)
             self._steps = []
             self._score(generated, finished)
+
+    def summary(self) -> dict | None:
+        """What the model holds (for reports): cost terms in microseconds, acceptance by cell."""
+        if self.nodes is None:
+            return None
+        costs, acceptance = self.nodes.costs, self.nodes.acceptance
+        sizes = list(CURVE_SIZES)
+        return {"forward_ratio": float(costs.ratio), "per_token_us": 1e6 * float(costs.per_token),
+                "base_us": 1e6 * costs.base, "extra_us": {n: 1e6 * float(costs.extra[n]) for n in sizes},
+                "calibration": acceptance.calibration, "ask_gain": self.nodes.ask_gain,
+                "ask_us": 1e6 * (self.nodes.ask_seconds or 0.0),
+                "acceptance": np.round(acceptance.table.reshape(acceptance.shape), 4).tolist()}
 
     def _score(self, generated: list[int], finished: bool) -> None:
         """Teach the acceptance table every proposal the output has left (or passed the leaves of)."""

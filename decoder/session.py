@@ -71,6 +71,7 @@ class GenerationStats:
     retriever_timeouts: int = 0
     token_rate: float = 25.0  # speech tokens per second of audio
     cost_curve: dict | None = None
+    budget: dict | None = None  # max_nodes="auto": what its model held when the utterance ended
 
     @property
     def tokens_per_forward(self) -> float:
@@ -403,6 +404,8 @@ class SpeculativeSession:
         record = StepRecord(position, context, len(tree), len(path), self.stats.forward_seconds - forward_seconds,
                             walk_seconds, time.perf_counter() - start)
         self.budget.observe(record, self.generated, self.finished)
+        if self.finished:
+            self.stats.budget = self.budget.summary()
         self.stats.accepted_lengths.append(len(path))
         self.stats.node_budgets.append(len(tree))
         return emitted

@@ -47,7 +47,7 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
     assert systems["ar-sampling"]["mel_distortion"] is not None
     # the verify-cost curve spans every tree size run, and what it predicts is 1 for autoregressive systems
     curve = report["verify_cost_curve"]
-    assert curve["sizes"][0] == 0 and curve["sizes"][-1] == 16 and curve["relative"][0] == 1.0
+    assert curve["sizes"][0] == 0 and curve["sizes"][-1] == 64 and curve["relative"][0] == 1.0  # default: auto
     assert curve["relative"] == sorted(curve["relative"]) and curve["context_tokens"] > 0
     assert systems["autoregressive"]["forward_cost_speedup"] == systems["ar-sampling"]["forward_cost_speedup"] == 1.0
     assert systems["hf-prompt-lookup"]["forward_cost_speedup"] is None  # its candidate lengths are not visible
@@ -56,6 +56,9 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
     assert "verify-cost curve" in result.output
     assert (out / "bench.png").stat().st_size > 10_000 and (out / "bench.md").exists()
     assert "exact-greedy/speaker" in result.output
+    # identical lossless outputs report no divergence; the auto budget's own curve is in the report
+    assert systems["exact-greedy/speaker"]["divergences"] == [] and "max dlogit" in result.output
+    assert report["auto_cost_curve"]["sizes"][0] == 0 and report["machine"]["dtype"] == "float32"
 
 
 def test_bench_bad_prompts_file_is_a_clear_error(sample_store, tmp_path):

@@ -36,9 +36,12 @@ from .harness import (
     save_figure,
     warm_up,
 )
+from .divergence import divergence
 from .quality import bootstrap_ci, dtw_distance, relative_difference_ci
 
 __all__ = ["POLICIES", "BenchError", "bench", "format_table", "load_prompts", "summarise"]
+
+DIVERGENCE_LOGITS = 20  # per system, the divergent utterances whose logits are compared (each replays its output)
 
 
 def load_prompts(prompts, meta: TTSMeta | None, limit: int | None = None) -> list[Prompt]:
@@ -110,8 +113,8 @@ def _systems(model, retriever, speech, policies, stores, sweep_nodes, sweep_dept
     def echospec(policy, store, nodes, depth):
         return echospec_run(model, retriever if store else None,
                             lambda seed: make_policy(policy, seed, relaxed, sampler), speech,
-                            speaker=store == "speaker", max_new_tokens=max_new_tokens, max_nodes=nodes,
-                            max_depth=depth, **attach)
+                            speaker=store == "speaker", record_logits=bool(store) and policy.startswith("exact"),
+                            max_new_tokens=max_new_tokens, max_nodes=nodes, max_depth=depth, **attach)
 
     if hf_baselines:
         systems = [
@@ -195,10 +198,10 @@ def speech_vocab(meta: TTSMeta | None, datastore, model, speech_offset=None, voc
 def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None = None, vocab_size: int | None = None,
           stop_ids=(), head=None, speech_embedding=None, sampler=None, token_rate: float | None = None,
           tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
-          max_nodes: int | str = 16, max_depth: int = 8, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
-          limit: int | None = None,
-          max_new_tokens: int = 400, threads: int = 1, seed: int = 0, tau: int | None = None, beta: float = 0.2,
-          similarity: float = 0.3, out_dir=None, progress: bool = True) -> dict:
+          max_nodes: int | str = "auto", max_depth: int = 8, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
+          limit: int | None = None, max_new_tokens: int = 400, threads: int = 1, seed: int = 0,
+          tau: int | None = None, beta: float = 0.2, similarity: float = 0.3, device: str = "cpu",
+          dtype: str = "float32", out_dir=None, progress: bool = True) -> dict:
     """Decode `prompts` with every system; return (and write to `out_dir`) the report as a dict.
 
     `checkpoint`: an echospec TTS checkpoint folder, any Hugging Face causal LM folder, or (from Python) a
@@ -209,6 +212,12 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     (default RAS) is what the sampling policies and their baseline sample with; `token_rate` (speech tokens
     a second, default the checkpoint's or 25) scales the LM real-time factor. Hugging Face `generate` is the
     greedy baseline where it can run the model (no head, ids prompts); else echospec's own autoregressive loop.
+
+    `device` and `dtype` ("float32", "bfloat16", "float16") are where and in what precision every system
+    runs; the log-likelihood is then scored by a float32 copy of the model, so every dtype is judged on one
+    scale. For each utterance where a lossless system's tokens differ from its baseline's, the report
+    gives the first divergent position and the largest logit difference there between the system's forward
+    and a plain one-token forward (`divergences`): rounding (tiny differences at a near-tie) or a bug.
     """
     import torch
     from tqdm import tqdm
@@ -216,7 +225,6 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     from ...decoder.cost import node_cap
     from ...decoder.scoring import mean_log_likelihood
     from ...retriever import Retriever
-    from ..corpus.speech_tokenizer import SpeechTokenizer
 
     unknown = set(sweep_policies) - set(policies)
     if unknown:
@@ -224,14 +232,19 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     torch.set_num_threads(threads)
     source = prompts
     model, meta = load_model(checkpoint)
+    model, scorer = on_device(model, device, dtype)
     retriever = Retriever(store)
     speech = speech or speech_vocab(meta, retriever.datastore, model, speech_offset, vocab_size, stop_ids)
     prompts = load_prompts(prompts, meta, limit)
     attach = {"head": head, "speech_embedding": speech_embedding}
     hf_baselines = head is None and speech_embedding is None and all(p.input_ids is not None for p in prompts)
-    mel = SpeechTokenizer.load(tokenizer).tokens_to_logmel if tokenizer else None
+    mel = None
+    if tokenizer:
+        from ..corpus.speech_tokenizer import SpeechTokenizer
+
+        mel = SpeechTokenizer.load(tokenizer).tokens_to_logmel
     relaxed = RelaxedSettings.for_vocabulary(speech.size, tau, beta, similarity)
-    systems = _systems(model, retriever, speech, list(policies), list(stores), sweep_nodes, sweep_depths,
+    systems = _systems(model, retriever, speech, list(policies), list(stores), sweep_nodes, sweep_depths or (max_depth,),
                        list(sweep_policies), max_nodes, max_depth, max_new_tokens, relaxed, hf_baselines, sampler,
                        attach)
 
@@ -239,11 +252,16 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     curve, curve_context = verify_cost_curve(model, speech, prompts, max(node_cap(n) for n in [max_nodes, *sweep_nodes]),
                                              **attach)
     rows = {s.name: [] for s in systems}
+    auto_curve, budgets = None, {}
     for i, prompt in enumerate(tqdm(prompts, desc="bench", unit="utt", disable=not progress)):
         scored_prompt = {k: v for k, v in prompt.inputs().items() if k != "prompt_speech"}
+        recorded = {}
         for system in rotated(systems, i):
             run = system.run(prompt, seed + i)
             system.accepted.extend(run.accepted)
+            recorded[system.name] = run.logits
+            auto_curve = run.cost_curve or auto_curve
+            budgets[system.name] = run.budget or budgets.get(system.name)
             speech_tokens = speech.to_local(run.tokens)
             rows[system.name].append({
                 "prompt": prompt.id, "tokens": run.tokens, "new_tokens": len(run.tokens), "forwards": run.forwards,
@@ -251,17 +269,30 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
                 # the prefill, then each step's forward in one-token-step units of this machine's curve
                 "forward_cost": (None if run.tree_sizes is None
                                  else 1 + float(np.sum(curve.time(run.tree_sizes))) / curve.seconds[0]),
-                "log_likelihood": mean_log_likelihood(model, run.tokens, **scored_prompt, **attach),
+                "log_likelihood": mean_log_likelihood(scorer, run.tokens, **scored_prompt, **attach),
                 "mel_distortion": (dtw_distance(mel(speech_tokens), mel(prompt.reference))
                                    if mel is not None and prompt.reference and speech_tokens else None),
             })
+        for system in systems:  # where a lossless system left its baseline: rounding, or a bug?
+            if system.lossless_of:
+                row, base = rows[system.name][-1], rows[system.lossless_of][-1]
+                # the plain forward replays the output one token at a time: for the first few divergences only
+                plain = (prompt.input_ids is not None and head is None and speech_embedding is None
+                         and sum(bool(r.get("divergence")) for r in rows[system.name]) < DIVERGENCE_LOGITS)
+                row["divergence"] = divergence(model if plain else None, prompt.input_ids, row["tokens"],
+                                               base["tokens"], recorded[system.name])
     rate = meta.frame_rate if meta is not None and token_rate is None else (token_rate or 25.0)
     report = summarise(systems, rows, token_rate=rate)
-    report["machine"] = {"threads": threads, "torch": torch.__version__, "cpus": os.cpu_count()}
+    report["machine"] = {"threads": threads, "torch": torch.__version__, "cpus": os.cpu_count(), "device": device,
+                         "dtype": dtype, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                         "native_bfloat16": native_bfloat16(device)}
     report["verify_cost_curve"] = curve.to_dict() | {"context_tokens": curve_context}
+    report["auto_cost_curve"] = auto_curve  # what max_nodes="auto" measured (None: no auto system)
+    report["auto_budgets"] = {name: state for name, state in budgets.items() if state}  # its model, at the end
     report["setup"] = {"checkpoint": str(checkpoint) if isinstance(checkpoint, (str, Path)) else type(model).__name__,
                        "store": str(store), "prompts": str(source) if isinstance(source, (str, Path)) else "python",
                        "utterances": len(prompts), "max_nodes": max_nodes, "max_depth": max_depth, "seed": seed,
+                       "device": device, "dtype": dtype,
                        "speech": {"offset": speech.offset, "size": speech.size, "stop_ids": list(speech.stop_ids),
                                   "codebooks": speech.codebooks},
                        "relaxed": asdict(relaxed)}
@@ -307,6 +338,7 @@ def summarise(systems: list[System], rows: dict, token_rate: float) -> dict:
             # float round-off between a tree forward and a one-token forward flipping a rare draw.
             reference = rows[system.lossless_of]
             entry["identical_to_baseline"] = sum(a["tokens"] == b["tokens"] for a, b in zip(runs, reference)) / len(runs)
+            entry["divergences"] = [r["divergence"] | {"prompt": r["prompt"]} for r in runs if r.get("divergence")]
         summary[system.name] = entry
     return {"systems": summary, "utterances": rows}
 
@@ -319,7 +351,7 @@ def format_table(report: dict) -> str:
         return f"{100 * ci['mean']:+5.1f}% [{100 * ci['ci95'][0]:+5.1f},{100 * ci['ci95'][1]:+5.1f}]" if ci else "-"
 
     header = (f"{'system':32} {'tok/fwd':>7} {'TPT ms':>7} {'speed-up':>8} {'fwd-cost':>8} {'LM RTF':>6} {'log-lik':>7} "
-              f"{'vs baseline':>21} {'mel-DTW':>7} {'vs baseline':>21} {'same':>5}")
+              f"{'vs baseline':>21} {'mel-DTW':>7} {'vs baseline':>21} {'same':>5} {'max dlogit':>10}")
     lines = [header, "-" * len(header)]
     for name, s in report["systems"].items():
         mel = s["mel_distortion"]
@@ -330,8 +362,11 @@ def format_table(report: dict) -> str:
             f"{'-' if predicted is None else f'{predicted:.2f}x':>8} "
             f"{s['lm_rtf']:6.3f} {s['log_likelihood']['mean']:7.3f} {change(s, 'log_likelihood'):>21} "
             f"{mel['mean'] if mel else float('nan'):7.2f} {change(s, 'mel_distortion'):>21} "
-            f"{'-' if same is None else f'{same:.2f}':>5}")
+            f"{'-' if same is None else f'{same:.2f}':>5} {_largest_difference(s):>10}")
     curve = report.get("verify_cost_curve")
+    lines += ["", "same: share of utterances token for token the baseline's; max dlogit: over the others, the largest "
+              "logit difference at the first divergent token between the system's forward and a plain one-token "
+              "forward (rounding flips near-ties at ~1e-6 in float32, ~1e-2 in bfloat16; a bug shows far larger)"]
     if curve:
         points = ", ".join(f"{n}: {r:.2f}" for n, r in zip(curve["sizes"], curve["relative"]))
         lines += ["",
@@ -340,6 +375,47 @@ def format_table(report: dict) -> str:
                   ("fwd-cost: the speed-up this curve predicts from the steps' tree sizes alone; tok/fwd: the speed-up "
                    "where a tree forward costs one step")]
     return "\n".join(lines)
+
+
+def _largest_difference(entry: dict) -> str:
+    differences = [d["max_logit_difference"] for d in entry.get("divergences", ())
+                   if d.get("max_logit_difference") is not None]
+    if "divergences" not in entry:
+        return "-"
+    return f"{max(differences):.1e}" if differences else ("0" if not entry["divergences"] else "?")
+
+
+def on_device(model, device: str, dtype: str):
+    """(the model on `device` in `dtype`, a float32 copy to score log-likelihoods with: the model itself in
+    float32)."""
+    import copy
+
+    import torch
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise BenchError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16")
+    try:
+        model = model.to(device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise BenchError(f"cannot put the model on {device!r}: {str(e).splitlines()[0]}") from None
+    if dtype == "float32":
+        return model.float(), model
+    scorer = copy.deepcopy(model).float()
+    return model.to(getattr(torch, dtype)), scorer
+
+
+def native_bfloat16(device: str = "cpu") -> bool:
+    """Whether `device` computes in bfloat16 natively: a CUDA GPU that says so, a CPU with AVX512-BF16 or AMX
+    (elsewhere torch emulates bfloat16 on the CPU, slower than float32)."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def write_report(report: dict, systems: list[System], out_dir: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Callable
 from ...datastore.files import atomic_file
 
 POLICIES = ("exact-greedy", "exact-sampling", "filtered", "tolerance", "similarity")
+DTYPES = ("float32", "bfloat16", "float16")
 PAPER_TAU_SHARE = 512 / 6561
 """The retrieval paper's filtered acceptance used tau = 512 on CosyVoice 2's 6561 speech tokens; the
 same share of a smaller vocabulary keeps the rule's strictness comparable."""
@@ -62,6 +63,9 @@ class Run:
     seconds: float
     accepted: list[int]
     tree_sizes: list[int] | None
+    logits: list | None = None  # with record_logits: the logits row behind each token emitted
+    cost_curve: dict | None = None  # the verify-cost curve max_nodes="auto" used
+    budget: dict | None = None  # max_nodes="auto": its model at the end of the utterance
 
 
 @dataclass
@@ -106,7 +110,7 @@ def hf_generate_run(model, counter: ForwardCounter, **generate_options) -> Calla
     import torch
 
     def run(prompt: Prompt, seed: int) -> Run:
-        ids = torch.tensor([prompt.input_ids])
+        ids = torch.tensor([prompt.input_ids], device=model.device)
         counter.count = 0
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **generate_options)
@@ -119,17 +123,21 @@ def hf_generate_run(model, counter: ForwardCounter, **generate_options) -> Calla
 
 
 def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, speaker: bool = True,
-                 **generate_options) -> Callable[[Prompt, int], Run]:
+                 record_logits: bool = False, **generate_options) -> Callable[[Prompt, int], Run]:
     """echospec's `generate` with `policy(seed)` and `retriever` (None: autoregressive), timed; `speaker`
-    passes the prompt's speaker to the retriever (its speaker store), else only the general store is asked."""
+    passes the prompt's speaker to the retriever (its speaker store), else only the general store is asked.
+    `record_logits` keeps the logits row behind each emitted token (see `divergence`)."""
     from ...decoder import generate
+    from .divergence import record_logits as recording
 
     def run(prompt: Prompt, seed: int) -> Run:
-        result = generate(model, retriever, policy=policy(seed), speech=speech,
+        chosen = policy(seed)
+        rows = recording(chosen) if record_logits else None
+        result = generate(model, retriever, policy=chosen, speech=speech,
                           speaker=prompt.speaker if speaker else None, **prompt.inputs(), **generate_options)
         stats = result.stats
         return Run(result.tokens, stats.target_forwards, stats.wall_seconds, stats.accepted_lengths,
-                   stats.node_budgets)
+                   stats.node_budgets, rows, stats.cost_curve, stats.budget)
     return run
 
 

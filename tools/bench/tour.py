@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 
 from ..corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
-from .compare import bench, format_table
+from .compare import bench, format_table, native_bfloat16
 
 
-def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, echo=print, progress: bool = True) -> dict:
+def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, dtype: str = "float32", echo=print,
+         progress: bool = True) -> dict:
     """Build a general and per-speaker datastore from the sample corpus, show one query, and benchmark
-    autoregressive decoding against each acceptance policy on `limit` held-out sentences."""
+    autoregressive decoding against each acceptance policy on `limit` held-out sentences, in `dtype`
+    ("bfloat16" where the CPU computes it natively: AVX512-BF16 or AMX)."""
     from ...datastore import build
     from ...retriever import Retriever
 
@@ -29,9 +31,11 @@ def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, echo=print, pro
     echo(f"\nQuery: speaker {first['speaker']}, context ...{context[-8:]} -> {len(tree)} candidate nodes")
     echo(tree.draw())
 
-    echo(f"\nSynthesizing {limit} held-out sentences with each system ...")
+    if dtype == "bfloat16" and not native_bfloat16():
+        echo("Note: this CPU has no native bfloat16 (AVX512-BF16 or AMX); torch emulates it, slower than float32.")
+    echo(f"\nSynthesizing {limit} held-out sentences with each system ({dtype}) ...")
     report = bench(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS, tokenizer=SAMPLE_TOKENIZER, limit=limit,
-                   threads=threads, out_dir=out_dir, progress=progress)
+                   threads=threads, dtype=dtype, out_dir=out_dir, progress=progress)
     echo(format_table(report))
     echo(f"\nWrote {out_dir / 'bench.json'} and the plot {out_dir / 'bench.png'}")
     return report

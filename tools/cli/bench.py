@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..bench.harness import POLICIES
+from ..bench.harness import DTYPES, POLICIES
 from .errors import fail_cleanly, needs_extra
 from .options import limit_option, out_option, threads_option
 
@@ -31,7 +31,8 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), help="tokenizer.npz for log-mel distortion.")
 @click.option("--policy", "policies", multiple=True, type=click.Choice(POLICIES), help="Policies (default: all).")
 @click.option("--stores", default="speaker,general", show_default=True, help="Which stores: speaker, general.")
-@click.option("--nodes", default="16", show_default=True, help="Node budget: an integer or 'auto'.")
+@click.option("--nodes", default="auto", show_default=True,
+              help="Node budget: 'auto' (cost-aware, per step; may verify none) or an integer to pin it.")
 @click.option("--depth", default=8, show_default=True, type=click.IntRange(1, 64))
 @click.option("--sweep-nodes", default="", help="Node budgets to sweep, e.g. 8,32,64.")
 @click.option("--sweep-depths", default="", help="Depths to sweep, e.g. 4,12.")
@@ -41,6 +42,9 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
 @threads_option
 @click.option("--seed", default=0, show_default=True)
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
+              help="Precision every system runs in (log-likelihoods are scored in float32).")
+@click.option("--device", default="cpu", show_default=True, help="Where the model runs: cpu, cuda, cuda:1, ...")
 @click.option("--tau", type=click.IntRange(1), help="Filtered: top-tau (default: the paper's 512/6561 of the vocabulary).")
 @click.option("--beta", default=0.2, show_default=True, type=click.FloatRange(0, 1), help="Tolerance's beta.")
 @click.option("--similarity", default=0.3, show_default=True, type=click.FloatRange(-1, 1),
@@ -50,7 +54,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @fail_cleanly
 def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_ids, token_rate, tokenizer, policies,
                   stores, nodes, depth, sweep_nodes, sweep_depths, sweep_policies, limit, max_new_tokens, threads, seed,
-                  tau, beta, similarity, out_dir):
+                  dtype, device, tau, beta, similarity, out_dir):
     """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT: an echospec TTS
     checkpoint or any Hugging Face causal LM folder (a model with its own speech head: the Python API,
     echospec.tools.bench.bench(..., head=...)).
@@ -74,7 +78,7 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
                    sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,),
                    sweep_policies=sweep_policies, limit=limit,
                    max_new_tokens=max_new_tokens, threads=threads, seed=seed, tau=tau, beta=beta,
-                   similarity=similarity, out_dir=out_dir)
+                   similarity=similarity, device=device, dtype=dtype, out_dir=out_dir)
     click.echo(format_table(report))
     click.echo(f"\nWrote {out_dir}/bench.json, bench.md and bench.png")
 
@@ -83,13 +87,15 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
 @out_option("runs/demo")
 @limit_option(12, help="Held-out sentences to synthesize.")
 @threads_option
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
+              help="bfloat16 where the CPU computes it natively (AVX512-BF16, AMX); else it is emulated, slowly.")
 @needs_extra("bench")
 @fail_cleanly
-def demo_command(out_dir, limit, threads):
+def demo_command(out_dir, limit, threads, dtype):
     """The embedded default: build stores from the shipped sample, query, and benchmark every policy."""
     from ..bench import demo
 
-    demo(out_dir=out_dir, limit=limit, threads=threads, echo=click.echo)
+    demo(out_dir=out_dir, limit=limit, threads=threads, dtype=dtype, echo=click.echo)
 
 
 COMMANDS = (bench_command, demo_command)
