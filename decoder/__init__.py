@@ -6,6 +6,7 @@ Batch size 1 only. Attention implementations: "sdpa" and "eager" (flash/flex att
 from .cost import AutoBudget, CostCurve, FixedBudget, NodeBudget
 from .errors import DecoderInputError, UnsupportedModelError
 from .generate import HF_CUSTOM_GENERATE_DIR, GenerationResult, generate, hf_generate, stream
+from .prepack import prepack
 from .policies import ExactGreedy, ExactSampling, Filtered, Policy, SimilarityGroups, Tolerance, VerifiedTree
 from .sampling import RAS, NodeState, Sampler
 from .session import GenerationStats, SpeculativeSession, check_model
@@ -13,7 +14,7 @@ from .vocab import SpeechVocab
 
 __all__ = [
     "generate", "stream", "hf_generate", "HF_CUSTOM_GENERATE_DIR", "GenerationResult", "GenerationStats",
-    "SpeculativeSession", "check_model",
+    "SpeculativeSession", "check_model", "prepack",
     "Policy", "ExactGreedy", "ExactSampling", "Filtered", "Tolerance", "SimilarityGroups", "VerifiedTree",
     "Sampler", "RAS", "NodeState", "SpeechVocab", "CostCurve", "NodeBudget", "AutoBudget", "FixedBudget",
     "DecoderInputError", "UnsupportedModelError",

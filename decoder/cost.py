@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 from numba import njit
@@ -414,30 +414,27 @@ class NodeBudget:
     def curve(self) -> CostCurve:
         return self.costs.curve
 
-    def best(self, tree: CandidateTree, order: np.ndarray, context: int | None = None,
-             cells=None) -> tuple[int, float]:
-        """(the node count with the highest expected rate, its gain over a plain step: rate / plain rate - 1).
-        `cells`: the tree's nodes' acceptance cells, when the caller has them already."""
-        if not len(order):
-            return 0, 0.0
-        cells = self.acceptance.cells(tree.probs, tree.depths) if cells is None else cells
-        costs = self.costs
-        nodes, ratio, _ = _best(order, cells, self.acceptance.table, costs.forward_time(context), costs.extra,
-                                costs.per_token, costs.base, _SIZES, self.max_nodes, TIE)
-        return nodes, ratio - 1.0
-
-    def choose_fused(self, tree: CandidateTree, context: int | None):
-        """(prune order, acceptance cells, best count, its rate over a plain step's, a plain step's seconds)
-        in one compiled call."""
+    def choose(self, tree: CandidateTree, context: int | None = None) -> Choice:
+        """The tree's prune order and cells, the node count with the highest expected rate and its gain over a
+        plain step, in one compiled call."""
         costs, acceptance = self.costs, self.acceptance
-        return _choose(tree.probs, tree.depths, tree.parents, acceptance.table, acceptance.PROB_EDGES,
-                       acceptance.DEPTH_EDGES, costs.forward_time(context), costs.extra, costs.per_token,
-                       costs.base, _SIZES, self.max_nodes, TIE)
+        order, cells, nodes, ratio, plain = _choose(
+            tree.probs, tree.depths, tree.parents, acceptance.table, acceptance.PROB_EDGES, acceptance.DEPTH_EDGES,
+            costs.forward_time(context), costs.extra, costs.per_token, costs.base, _SIZES, self.max_nodes, TIE)
+        return Choice(order, cells, int(nodes), float(ratio) - 1.0, float(plain))
 
-    def choose(self, tree: CandidateTree, order: np.ndarray, context: int | None = None) -> tuple[int, float]:
-        """(node count to verify, its expected gain): the best count if it beats a plain step by MARGIN, else 0."""
-        nodes, gain = self.best(tree, order, context)
-        return (nodes, gain) if gain > MARGIN else (0, 0.0)
+
+class Choice(NamedTuple):
+    order: np.ndarray  # the tree's nodes, most probable first, every node after its parent
+    cells: np.ndarray  # each node's acceptance cell
+    nodes: int  # the count (an `order` prefix) with the highest expected tokens per second
+    gain: float  # its rate over a plain step's, minus 1
+    plain_seconds: float  # a plain step's expected time
+
+    @property
+    def pays(self) -> bool:
+        """Whether the tree beats a plain step by MARGIN."""
+        return self.nodes > 0 and self.gain > MARGIN
 
 
 _SIZES = np.array(CURVE_SIZES, np.int64)
@@ -535,9 +532,8 @@ class AutoBudget:
         """The part of `tree` worth verifying at output position `position` with `context` cached tokens."""
         if self.nodes is None or not len(tree):
             return tree if len(tree) <= self.cap else tree.subtree(prune_order(tree)[: self.cap])
-        order, cells, chosen, ratio, plain_seconds = self.nodes.choose_fused(tree, context)
-        gain = ratio - 1.0
-        if gain <= MARGIN:
+        order, cells, chosen, gain, plain_seconds = choice = self.nodes.choose(tree, context)
+        if not choice.pays:
             self._declined += 1
             if not self.exact and self._declined % EXPLORE_EVERY == 0:
                 chosen, gain = max(chosen, min(len(order), EXPLORE_NODES)), 0.0

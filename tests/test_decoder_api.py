@@ -136,11 +136,12 @@ def test_budget_follows_the_cost_curve_and_acceptance():
     order = prune_order(tree)
     gpu = NodeBudget(CostCurve([0, 1, 64], [1.0, 1.01, 1.1]), 64)
     cpu = NodeBudget(CostCurve([0, 1, 2, 4, 8, 64], [1.0, 1.3, 1.6, 2.2, 3.4, 20.0]), 64)
-    assert gpu.choose(tree, order)[0] >= len(tree) - 1  # (the last node adds less than TIE)
-    assert 0 < cpu.choose(tree, order)[0] < gpu.choose(tree, order)[0]
+    assert gpu.choose(tree).pays and gpu.choose(tree).nodes >= len(tree) - 1  # (the last node adds less than TIE)
+    assert cpu.choose(tree).pays and 0 < cpu.choose(tree).nodes < gpu.choose(tree).nodes
+    assert cpu.choose(tree).order.tolist() == order.tolist()
     for _ in range(30):  # trees that never pay: the budget drops to nothing
         cpu.acceptance.learn(tree.probs, tree.depths, np.zeros(len(tree), bool))
-    assert cpu.choose(tree, order) == (0, 0.0)
+    assert not cpu.choose(tree).pays
 
 
 def test_budget_prices_the_jump_at_one_node():
@@ -149,9 +150,9 @@ def test_budget_prices_the_jump_at_one_node():
     budget = NodeBudget(CostCurve([0, 1, 8, 64], [1.0, 1.6, 1.65, 3.0]), 64)
     one = CandidateTree.from_sequences([[5], [6]], [1, 1], max_nodes=1)  # one node, probability 0.5
     chain = CandidateTree.from_sequences([[5, 6, 7, 8, 9, 10, 11, 12], [13]], [1, 1], max_nodes=8)
-    assert budget.choose(one, prune_order(one)) == (0, 0.0)
-    nodes, gain = budget.choose(chain, prune_order(chain))
-    assert nodes == 8 and gain > 0.5
+    assert not budget.choose(one).pays
+    choice = budget.choose(chain)
+    assert choice.pays and choice.nodes == 8 and choice.gain > 0.5
 
 
 def test_acceptance_is_learned_per_probability_and_depth():
@@ -202,7 +203,7 @@ def test_with_the_real_retriever(model, tmp_path):
     retriever = Retriever(tmp_path / "store")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        result = generate(model, retriever, input_ids=prompts[3], speaker="spk", max_new_tokens=40,
+        result = generate(model, retriever, input_ids=prompts[3], speaker="spk", max_new_tokens=40, max_nodes=16,
                           speech=SpeechVocab(0, VOCAB))
     assert result.tokens == corpus[3]["tokens"][6:]
     assert result.stats.tokens_per_forward > 2 and result.stats.retriever_errors == 0
@@ -227,7 +228,7 @@ def test_step_costs_separate_forward_per_token_and_tree_work():
     tree = CandidateTree.from_sequences([[1, 2, 3], [4, 5]], max_nodes=8)
     for _ in range(30):  # nothing is ever accepted: no tree pays
         budget.acceptance.learn(tree.probs, tree.depths, np.zeros(len(tree), bool))
-    assert budget.choose(tree, prune_order(tree))[0] == 0
+    assert not budget.choose(tree).pays
 
 
 def test_cost_curve_shape_follows_the_context():

@@ -119,3 +119,16 @@ def test_bfloat16_model_decodes_with_trees(attn):
     session.prefill(input_ids=ids)
     mask = session._tree_mask(CandidateTree.from_sequences([[1, 2], [3]]))
     assert mask.dtype == torch.bfloat16 and float(mask.min()) == torch.finfo(torch.bfloat16).min
+
+
+def test_prepacked_model_decodes_the_same():
+    # oneDNN-prepacked linear layers compute the same function; the LM head stays a table policies can read
+    from echospec.decoder import prepack
+
+    model = tiny_model("llama", "sdpa", VOCAB, seed=4, sharpen=8.0)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
+    reference = hf_greedy(model, ids, "ids", 30)
+    prepack(model)
+    assert type(model.model.layers[0].mlp.gate_proj).__name__ == "MkldnnLinear"
+    assert isinstance(model.get_output_embeddings(), torch.nn.Linear)
+    assert ours(model, ids, "ids", Scripted(reference, 8, VOCAB), 30, max_nodes=8).tokens == reference

@@ -5,6 +5,8 @@ harness (tools/bench/harness.py), and is run as `python -m echospec.tools.benchm
     bench_retriever     the retriever against SuffixDecoding and REST on one corpus
     bench_service       propose over loopback HTTP beside the in-process retriever
     bench_shards        sharded builds against workers (local and Ray), proposals over 1, 4, 16 shards
+    cost_curves         verify-cost curves (forward time against tree size) by shape, dtype, threads, CPU trick
+    gpu_check           one command for a GPU: curves of the sample and a 0.5B shape, the sample's bench there
     retriever_defaults  how the retriever's defaults were chosen (oracle acceptance; not a speed benchmark)
     rest_reference      REST's retrieval algorithm written plainly: bench_retriever's reference peer
 """

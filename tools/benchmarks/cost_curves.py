@@ -5,9 +5,9 @@
 
 Random weights (a forward's cost does not depend on them) except for the shipped sample model; `--context`
 tokens in the cache; `SpeculativeSession.measure_cost_curve` (all sizes timed round-robin, each round
-relative to its own one-token step, median over rounds). `--variants` adds, for float32, `mkldnn` (every
-nn.Linear's weight prepacked for oneDNN: torch.utils.mkldnn.MkldnnLinear) and `compile` (torch.compile of
-the model's forward, dynamic shapes). Prints one line per curve — the one-token step in ms, then each tree
+relative to its own one-token step, median over rounds). `--variants` adds `mkldnn` (every nn.Linear's
+weight prepacked for oneDNN: `echospec.decoder.prepack`) and, for float32, `compile` (torch.compile of the
+model's forward, dynamic shapes). Prints one line per curve — the one-token step in ms, then each tree
 size's forward time relative to it — and writes cost_curves.json and cost_curves.png under --out.
 """
 
@@ -70,15 +70,10 @@ def cost_curve(model, context: int = 250, sizes=SIZES, repeats: int = 5):
 
 
 def prepacked(model):
-    """`model` with each nn.Linear's weight prepacked for oneDNN (float32 CPU inference)."""
-    import torch
-    from torch.utils import mkldnn
+    """`model` with each nn.Linear's weight prepacked for oneDNN (CPU inference), in the model's dtype."""
+    from ...decoder import prepack
 
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(module, name, mkldnn.MkldnnLinear(child, torch.float32))
-    return model
+    return prepack(model)
 
 
 def run(shapes, dtypes, threads, variants, context: int, repeats: int, device: str = "cpu", echo=print) -> list[dict]:
@@ -87,7 +82,7 @@ def run(shapes, dtypes, threads, variants, context: int, repeats: int, device: s
     rows = []
     for shape in shapes:
         for dtype in dtypes:
-            for variant in ["plain", *(v for v in variants if dtype == "float32")]:
+            for variant in ["plain", *(v for v in variants if dtype == "float32" or v == "mkldnn")]:
                 model = shape_model(shape, getattr(torch, dtype), device)
                 if variant == "mkldnn":
                     model = prepacked(model)
