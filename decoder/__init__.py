@@ -3,7 +3,7 @@
 Batch size 1 only. Attention implementations: "sdpa" and "eager" (flash/flex attention are refused).
 """
 
-from .cost import AutoBudget, CostCurve, FixedBudget, NodeBudget
+from .cost import ArmRates, AutoBudget, CostCurve, FixedBudget
 from .errors import DecoderInputError, UnsupportedModelError
 from .generate import HF_CUSTOM_GENERATE_DIR, GenerationResult, generate, hf_generate, stream
 from .prepack import prepack
@@ -16,6 +16,6 @@ __all__ = [
     "generate", "stream", "hf_generate", "HF_CUSTOM_GENERATE_DIR", "GenerationResult", "GenerationStats",
     "SpeculativeSession", "check_model", "prepack",
     "Policy", "ExactGreedy", "ExactSampling", "Filtered", "Tolerance", "SimilarityGroups", "VerifiedTree",
-    "Sampler", "RAS", "NodeState", "SpeechVocab", "CostCurve", "NodeBudget", "AutoBudget", "FixedBudget",
+    "Sampler", "RAS", "NodeState", "SpeechVocab", "CostCurve", "ArmRates", "AutoBudget", "FixedBudget",
     "DecoderInputError", "UnsupportedModelError",
 ]

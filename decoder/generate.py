@@ -41,8 +41,8 @@ def generate(model, retriever=None, policy: Policy | None = None, *, input_ids=N
     the whole vocabulary, stops = the model's eos), `speech_embedding` (a table or callable embedding
     generated tokens, when they have their own table), `prompt_speech` (store-local ids of the prompt's
     speech: the retriever's context when the prompt is embeddings), `speaker`, `max_new_tokens`,
-    `min_new_tokens`, `min_length_stop_ids`, `max_nodes` (per-step tree budget, or "auto": cost-aware),
-    `max_depth`, `token_rate`, `retriever_timeout`, `cost_curve`. `policy` decides acceptance (default
+    `min_new_tokens`, `min_length_stop_ids`, `max_nodes` (per-step node cap, or "auto": the fastest cap
+    measured), `max_depth`, `token_rate`, `retriever_timeout`. `policy` decides acceptance (default
     ExactGreedy); `seed` reseeds a sampling policy. With `retriever=None` this is plain autoregressive
     decoding with the same policy. `streamer` (optional) gets each step's new model ids via
     `streamer.put(list_of_ids)`; `stream` yields speech tokens instead.

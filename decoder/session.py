@@ -20,14 +20,13 @@ from transformers.cache_utils import DynamicLayer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..retriever.tree import CandidateTree
-from .cost import CURVE_CONTEXT_STEP, CURVE_SIZES, AutoBudget, CostCurve, FixedBudget, StepRecord
+from .cost import CURVE_CONTEXT_STEP, CURVE_SIZES, AutoBudget, CostCurve, FixedBudget, node_cap, prune_order
 from .errors import DecoderInputError, UnsupportedModelError
 from .policies import ExactGreedy, Policy, VerifiedTree
 from .sampling import NodeState
 from .vocab import SpeechVocab
 
 ALLOWED_ATTENTION = ("eager", "sdpa")
-AUTO_CURVE_ROUNDS, AUTO_CURVE_SECONDS = 16, 1.0  # the auto budget's curve: at most 16 rounds, about 1 s (at least 3)
 
 
 def check_model(model, head=None) -> None:
@@ -70,8 +69,7 @@ class GenerationStats:
     retriever_errors: int = 0
     retriever_timeouts: int = 0
     token_rate: float = 25.0  # speech tokens per second of audio
-    cost_curve: dict | None = None
-    budget: dict | None = None  # max_nodes="auto": what its model held when the utterance ended
+    budget: dict | None = None  # max_nodes="auto": each cap's measured rate when the utterance ended
 
     @property
     def tokens_per_forward(self) -> float:
@@ -114,9 +112,9 @@ class SpeculativeSession:
     `speech_embedding` (a table or callable) embeds generated tokens when they have their own table.
     `min_length_stop_ids` are the stop ids masked while fewer than `min_new_tokens` are generated (None:
     all of them, as Hugging Face does; CosyVoice masks only its first, see `presets`).
-    `max_nodes` is "auto" (the default): each step verifies the part of the tree that maximises expected
-    tokens per second, or none of it, from the model's verify-cost curve (measured once per model) and the
-    acceptance seen so far (per retriever and policy kind); see `cost.AutoBudget`. An int pins the budget. A retriever that raises or takes longer than
+    `max_nodes` is "auto" (the default): each step runs the node cap (0: no retriever call, 4, 8, ... 64)
+    measured to give the most tokens per second of wall-clock so far, per model, retriever, policy kind
+    and store kind; see `cost.ArmRates`. An int pins the cap. A retriever that raises or takes longer than
     `retriever_timeout` seconds makes that step autoregressive. `generated` holds the model ids emitted so far.
     """
 
@@ -124,7 +122,7 @@ class SpeculativeSession:
                  speech: SpeechVocab | None = None, speech_embedding=None, speaker=None, prompt_speech=None,
                  max_new_tokens: int = 2048, min_new_tokens: int = 0, min_length_stop_ids=None,
                  max_nodes: int | str = "auto", max_depth: int = 8, token_rate: float = 25.0,
-                 retriever_timeout: float = 0.1, cost_curve: CostCurve | None = None):
+                 retriever_timeout: float = 0.1):
         check_model(model, head)
         self.model, self.retriever, self.speaker, self.head = model, retriever, speaker, head
         self.backbone = model if head is None else model.base_model
@@ -148,8 +146,8 @@ class SpeculativeSession:
         self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
         self.max_nodes, self.max_depth, self.retriever_timeout = max_nodes, max_depth, retriever_timeout
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 62
-        self.budget = (AutoBudget(self.policy.exact, self.speech.offset, cost_curve) if max_nodes == "auto"
-                       else FixedBudget(max_nodes))
+        self.budget = (AutoBudget(model, retriever, type(self.policy), speaker)
+                       if max_nodes == "auto" and retriever is not None else FixedBudget(node_cap(max_nodes)))
         self.stats = GenerationStats(token_rate=token_rate)
         table = self._output_table()
         self.policy.bind(None if table is None else (lambda ids: table[ids.to(table.device)]))
@@ -258,11 +256,6 @@ class SpeculativeSession:
         self.cached = length
         _, bonus = self.policy.walk(VerifiedTree(logits, [], [[]], self._state_at))
         emitted = self._emit([bonus])
-        if self.retriever is not None and not self.finished:
-            self.budget.start(self.model, self.retriever, type(self.policy), self.speaker,
-                              lambda: self.measure_cost_curve(repeats=AUTO_CURVE_ROUNDS, max_seconds=AUTO_CURVE_SECONDS))
-            if self.budget.curve is not None:
-                self.stats.cost_curve = self.budget.curve.to_dict()
         return emitted
 
     def run(self, input_ids=None, inputs_embeds=None) -> Iterator[list[int]]:
@@ -293,16 +286,17 @@ class SpeculativeSession:
 
     def propose(self) -> CandidateTree:
         """Ask the retriever for a tree and cut it to what this step can use and its budget allows (may be empty)."""
-        if self.retriever is None or self.finished or not self.budget.wants_tree():
+        if self.retriever is None or self.finished:
             return CandidateTree.empty()
+        cap = self.budget.nodes()
         depth_cap = min(self.max_depth, self.max_new_tokens - len(self.generated),
                         self.max_positions - 1 - self.cached)
-        if depth_cap <= 0 or self.budget.cap == 0:
+        if depth_cap <= 0 or cap == 0:
             return CandidateTree.empty()
         start = time.perf_counter()
         try:
             tree = self.retriever.propose(np.asarray(self.context, np.int64), speaker=self.speaker,
-                                          max_nodes=self.budget.cap, max_depth=depth_cap)
+                                          max_nodes=cap, max_depth=depth_cap)
         except Exception as exc:  # noqa: BLE001 — any retriever failure only costs speed
             self.stats.retriever_errors += 1
             warnings.warn(f"retriever failed ({type(exc).__name__}: {exc}); this step runs autoregressively")
@@ -317,7 +311,7 @@ class SpeculativeSession:
             raise DecoderInputError(f"the retriever returned {type(tree).__name__}, not a CandidateTree")
         self.speech.to_model(tree.tokens)  # raises on ids outside the store's vocabulary
         tree = self._usable(tree, depth_cap)
-        return self.budget.fit(tree, time.perf_counter() - start, len(self.generated), self.cached)
+        return tree if len(tree) <= cap else tree.subtree(prune_order(tree)[:cap])
 
     def _usable(self, tree: CandidateTree, depth_cap: int) -> CandidateTree:
         """Drop nodes deeper than this step may go and everything below a stop token."""
@@ -390,20 +384,16 @@ class SpeculativeSession:
             raise DecoderInputError("call prefill() before step()")
         if self.cached >= self.max_positions:
             self.finished = True
+            self.stats.budget = self.budget.summary()
             return []
-        position, context = len(self.generated), self.cached
+        start = time.perf_counter()
         tree = self.propose()
-        start, forward_seconds = time.perf_counter(), self.stats.forward_seconds
         verified = self.verify(tree)
-        walk_start = time.perf_counter()
         path, bonus = self.accept(verified)
-        walk_seconds = time.perf_counter() - walk_start
         emitted = self._emit([verified.tokens[i] for i in path] + ([] if bonus is None else [bonus]))
         # the cache holds every emitted token but the last: fewer emitted (a stop, the length limit) keep fewer
         self.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
-        record = StepRecord(position, context, len(tree), len(path), self.stats.forward_seconds - forward_seconds,
-                            walk_seconds, time.perf_counter() - start)
-        self.budget.observe(record, self.generated, self.finished)
+        self.budget.observe(len(emitted), time.perf_counter() - start)
         if self.finished:
             self.stats.budget = self.budget.summary()
         self.stats.accepted_lengths.append(len(path))
@@ -439,8 +429,8 @@ class SpeculativeSession:
         return emitted
 
     @torch.no_grad()
-    def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 5, context_step: int = CURVE_CONTEXT_STEP,
-                           max_seconds: float | None = None) -> CostCurve:
+    def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 5,
+                           context_step: int = CURVE_CONTEXT_STEP) -> CostCurve:
         """Forward time of a verify step against tree size, on the live cache (cropped back after each),
         and again with `context_step` more (filler) tokens cached: a tree's rows each attend to the whole
         context, so its forward grows with the context faster than a one-token step's.
@@ -452,8 +442,7 @@ class SpeculativeSession:
         load that comes and goes between rounds (another process on the cores) cancels; taking each
         size's median time instead put a 1-node tree at 5x a plain step on a loaded 2-core machine. The
         shape is made non-decreasing (more tokens never cost less) and scaled by the one-token step's
-        median time. `max_seconds` caps the rounds after the warm-up (at least 3) so a large model on a
-        CPU is not held up long; the longer context is skipped when the model has no room for it.
+        median time. The longer context is skipped when the model has no room for it.
         """
         sizes = sorted({0, *(s for s in sizes if self.cached + s < self.max_positions)})
         longer = context_step > 0 and self.max_positions - 1 - self.cached - max(sizes) >= context_step
@@ -461,9 +450,7 @@ class SpeculativeSession:
         chains = [CandidateTree.from_sequences([[0] * n], max_nodes=n, max_depth=n) for n in sizes]
         orders = np.random.default_rng(0)
         short, long_ = [], []
-        wanted = repeats + 1
-        while len(short) < wanted:
-            began = time.perf_counter()
+        for _ in range(repeats + 1):  # the first round warms up
             short.append(self._time_chains(chains, orders))
             if longer:
                 self._forward([self.generated[-1]] * context_step, self.cached + torch.arange(context_step), None)
@@ -471,8 +458,6 @@ class SpeculativeSession:
                 long_.append(self._time_chains(chains, orders))
                 self.cache.crop(-context_step)
                 self.cached -= context_step
-            if len(short) == 1 and max_seconds is not None:  # the warm-up round says what a round costs
-                wanted = 1 + min(repeats, max(3, int(max_seconds / (time.perf_counter() - began))))
         self.stats.target_forwards, self.stats.forward_seconds = forwards, forward_seconds  # not the utterance's
         curve = CostCurve(sizes, _typical_curve(short[1:]), context=self.cached)
         if longer:

@@ -1,6 +1,7 @@
-"""The Hugging Face hooks, bad input, failing retrievers, the cost-aware budget and the real Retriever."""
+"""The Hugging Face hooks, bad input, failing retrievers, the auto node budget and the real Retriever."""
 
 import json
+import time
 import warnings
 
 import numpy as np
@@ -8,9 +9,9 @@ import pytest
 import torch
 from decoder_testing import PromptLookup, Raising, Scripted, Slow, Wrong, tiny_model
 
-from echospec.decoder import (HF_CUSTOM_GENERATE_DIR, CostCurve, DecoderInputError, NodeBudget,
-                              SpeechVocab, UnsupportedModelError, generate, hf_generate)
-from echospec.decoder.cost import Acceptance, StepCosts, StepRecord, prune_order
+from echospec.decoder import (HF_CUSTOM_GENERATE_DIR, ArmRates, DecoderInputError, SpeechVocab,
+                              UnsupportedModelError, generate, hf_generate)
+from echospec.decoder.cost import ARMS, BLOCK, prune_order
 from echospec.retriever import CandidateTree
 
 VOCAB = 64
@@ -106,7 +107,7 @@ def test_failing_or_slow_retriever_only_costs_speed(model):
     ids = prompt(seed=2)
     reference = greedy(model, ids)
     with pytest.warns(UserWarning, match="retriever failed"):
-        broken = generate(model, Raising(), input_ids=ids, max_new_tokens=24)
+        broken = generate(model, Raising(), input_ids=ids, max_new_tokens=24, max_nodes=16)
     assert broken.tokens == reference and broken.stats.retriever_errors == len(broken.stats.accepted_lengths) > 0
     slow = generate(model, Slow(), input_ids=ids, max_new_tokens=24, retriever_timeout=0.001)
     assert slow.tokens == reference and slow.stats.retriever_timeouts > 0 and max(slow.stats.node_budgets) == 0
@@ -131,44 +132,6 @@ def test_stats_and_streamer(model):
     assert 0 <= stats["propose_share"] < 1 and stats["time_per_token"] > 0
 
 
-def test_budget_follows_the_cost_curve_and_acceptance():
-    tree = CandidateTree.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 7], [8, 9]], [6, 1, 1], max_nodes=16, max_depth=8)
-    order = prune_order(tree)
-    gpu = NodeBudget(CostCurve([0, 1, 64], [1.0, 1.01, 1.1]), 64)
-    cpu = NodeBudget(CostCurve([0, 1, 2, 4, 8, 64], [1.0, 1.3, 1.6, 2.2, 3.4, 20.0]), 64)
-    assert gpu.choose(tree).pays and gpu.choose(tree).nodes >= len(tree) - 1  # (the last node adds less than TIE)
-    assert cpu.choose(tree).pays and 0 < cpu.choose(tree).nodes < gpu.choose(tree).nodes
-    assert cpu.choose(tree).order.tolist() == order.tolist()
-    for _ in range(30):  # trees that never pay: the budget drops to nothing
-        cpu.acceptance.learn(tree.probs, tree.depths, np.zeros(len(tree), bool))
-    assert not cpu.choose(tree).pays
-
-
-def test_budget_prices_the_jump_at_one_node():
-    # this CPU's shape: one node costs almost what eight do, so one likely node is not worth a tree
-    # forward while eight of them are
-    budget = NodeBudget(CostCurve([0, 1, 8, 64], [1.0, 1.6, 1.65, 3.0]), 64)
-    one = CandidateTree.from_sequences([[5], [6]], [1, 1], max_nodes=1)  # one node, probability 0.5
-    chain = CandidateTree.from_sequences([[5, 6, 7, 8, 9, 10, 11, 12], [13]], [1, 1], max_nodes=8)
-    assert not budget.choose(one).pays
-    choice = budget.choose(chain)
-    assert choice.pays and choice.nodes == 8 and choice.gain > 0.5
-
-
-def test_acceptance_is_learned_per_probability_and_depth():
-    acceptance = Acceptance(prior_weight=2.0)
-    probs, depths = np.array([0.6, 0.6, 0.6]), np.array([1, 2, 6])
-    assert (acceptance.expected(probs, depths) < 0.6).all()  # cautious while a cell is unseen
-    for _ in range(50):  # shallow nodes accepted, deep ones never
-        acceptance.learn(probs, depths, np.array([True, True, False]))
-    shallow, second, deep = acceptance.expected(probs, depths)
-    assert shallow > 0.9 and second > 0.9 and deep < 0.05
-    # accepted more than the probabilities said: cells not seen yet follow that calibration
-    assert acceptance.calibration > 1
-    unseen = np.array([0.8]), np.array([3])
-    assert acceptance.expected(*unseen)[0] > Acceptance().expected(*unseen)[0]
-
-
 def test_prune_order_keeps_a_tree_even_when_a_child_outranks_its_parent():
     tree = CandidateTree(tokens=np.arange(3), parents=np.array([-1, 0, -1], np.int32), depths=np.array([1, 2, 1], np.int32),
                          counts=np.ones(3, np.float32), probs=np.array([0.2, 0.9, 0.5], np.float32),
@@ -178,17 +141,6 @@ def test_prune_order_keeps_a_tree_even_when_a_child_outranks_its_parent():
     order = prune_order(usual).tolist()
     assert sorted(order) == list(range(len(usual)))
     assert all(usual.parents[i] < 0 or order.index(int(usual.parents[i])) < order.index(i) for i in order)
-
-
-def test_auto_budget_end_to_end(model):
-    ids = prompt(seed=5)
-    reference = greedy(model, ids, 40)
-    right = generate(model, Scripted(reference, 8, VOCAB, depth=6), input_ids=ids, max_new_tokens=40, max_nodes="auto")
-    assert right.tokens == reference and right.stats.tokens_per_forward > 2
-    assert right.stats.cost_curve["sizes"][0] == 0 and len(right.stats.cost_curve["seconds"]) > 3
-    cpu_like = CostCurve([0, 1, 2, 4, 8, 16, 32, 64], [1e-3 * (1 + 0.2 * n) for n in (0, 1, 2, 4, 8, 16, 32, 64)])
-    wrong = generate(model, Wrong(VOCAB), input_ids=ids, max_new_tokens=40, max_nodes="auto", cost_curve=cpu_like)
-    assert wrong.tokens == reference and wrong.stats.node_budgets[-10:] == [0] * 10
 
 
 def test_with_the_real_retriever(model, tmp_path):
@@ -209,69 +161,106 @@ def test_with_the_real_retriever(model, tmp_path):
     assert result.stats.tokens_per_forward > 2 and result.stats.retriever_errors == 0
 
 
-def test_step_costs_separate_forward_per_token_and_tree_work():
-    curve = CostCurve([0, 1, 2, 4, 8], [1e-3 * (1 + 0.2 * n) for n in (0, 1, 2, 4, 8)])
-    costs = StepCosts(curve, max_nodes=8)
-    for i in range(9):  # forwards run at half the curve's time (one of them 100x slower)
-        slow = 100 if i == 3 else 1
-        # plain steps: a walk of 0.1 ms per token and 0.02 ms of other work
-        costs.observe([StepRecord(i, 10, 0, 0, 0.5e-3 * slow, 1e-4, 0.5e-3 * slow + 1.2e-4)])
-        for n in (2, 8):  # tree steps emit 3 tokens and do 0.05 ms + 0.01 ms a node more
-            forward = 0.5 * float(curve.time(n))
-            costs.observe([StepRecord(i, 10, n, 2, forward, 3e-4, forward + 3e-4 + 2e-5 + 5e-5 + 1e-5 * n)])
-    assert costs.ratio == pytest.approx(0.5) and costs.per_token == pytest.approx(1e-4)
-    assert costs.base == pytest.approx(2e-5) and costs.extra[[0, 2, 8]] == pytest.approx([0.0, 7e-5, 1.3e-4])
-    # size 4 not seen: the line through the sizes seen
-    assert costs.step_time(4, tokens=3) == pytest.approx(0.5 * 1.8e-3 + 3e-4 + 2e-5 + 9e-5)
-    budget = NodeBudget(curve, max_nodes=8)
-    budget.costs = costs
-    tree = CandidateTree.from_sequences([[1, 2, 3], [4, 5]], max_nodes=8)
-    for _ in range(30):  # nothing is ever accepted: no tree pays
-        budget.acceptance.learn(tree.probs, tree.depths, np.zeros(len(tree), bool))
-    assert not budget.choose(tree).pays
+def run_arms(rates: ArmRates, speed: dict, steps: int, noise: float = 0.0, stall: int | None = None,
+             seed: int = 0) -> list[int]:
+    """Run `steps` steps, each under the cap `rates` chooses, at `speed[cap]` tokens a second (times a
+    lognormal factor of spread `noise`); returns the caps run. Step number `stall` takes 1000x longer
+    (a GC pause, a preempted process)."""
+    draws = np.random.default_rng(seed).lognormal(0.0, noise, steps)
+    caps = []
+    for step, factor in enumerate(draws):
+        arm = rates.choose()
+        cap = rates.arms[arm]
+        rates.record(arm, 1, (1000 if step == stall else 1) * factor / speed[cap])
+        caps.append(cap)
+    return caps
 
 
-def test_cost_curve_shape_follows_the_context():
-    # one token: 1.0 s at 100 cached tokens, 2.0 s at 356; 8 nodes: 2x a token at 100, 3x at 356
-    curve = CostCurve([0, 8], [1.0, 2.0], context=100, longer=[2.0, 6.0], step=256)
-    assert curve.time([0, 8], context=228).tolist() == pytest.approx([1.5, 1.5 * 2.5])
-    assert curve.time([0, 8], context=50).tolist() == pytest.approx([1.0, 2.0])  # never below the measured
-    assert curve.time([0, 8]).tolist() == [1.0, 2.0]  # no context: the curve as measured
+CPU = {0: 100, 4: 130, 8: 150, 16: 140, 32: 120, 64: 100}  # tokens per second under each cap
+GPU = {0: 100, 4: 150, 8: 200, 16: 250, 32: 300, 64: 280}  # bigger trees nearly free
+USELESS = {0: 100, 4: 95, 8: 90, 16: 80, 32: 70, 64: 60}  # no tree pays
 
 
-def test_auto_budget_stops_asking_a_retriever_that_never_pays(model):
+def test_auto_runs_the_fastest_cap():
+    # caps next to the fastest and plain steps are tried; caps beyond them never run
+    for speed, best, never in ((CPU, 8, {32, 64}), (GPU, 32, set()), (USELESS, 0, {32, 64})):
+        rates = ArmRates()
+        caps = run_arms(rates, speed, 8000, noise=0.5)  # a step's time varies 50%
+        assert not never & set(caps) and caps[:BLOCK] == [8] * BLOCK, speed
+        late = caps[4000:]
+        assert late.count(best) / len(late) > 0.85 and rates.summary()["fastest"] == best, speed
+        # exploring costs less than a tenth of the difference to the next best
+        runner_up = sorted(speed.values())[-2]
+        assert sum(speed[best] / speed[c] for c in late) / len(late) < 1 + 0.1 * (speed[best] / runner_up - 1) + 0.01
+
+
+def test_auto_shares_near_equal_caps_and_shrugs_off_outliers():
+    near = {0: 100, 4: 149, 8: 150, 16: 120, 32: 110, 64: 100}  # 4 and 8 within noise of each other
+    caps = run_arms(ArmRates(), near, 8000, noise=0.5)
+    assert caps[4000:].count(4) + caps[4000:].count(8) > 0.95 * 4000
+    assert min(caps[4000:].count(4), caps[4000:].count(8)) > 200  # neither is sure to be faster
+    # one step 1000x slower: in the first cap's warm-up block (not counted), or later (counted as 4x its
+    # block's median): the same choices
+    steady = run_arms(ArmRates(), CPU, 4000, noise=0.3)
+    assert steady[2000:].count(8) > 0.8 * 2000
+    for stall in (0, 1000):
+        stalled = run_arms(ArmRates(), CPU, 4000, noise=0.3, stall=stall)
+        assert abs(stalled[2000:].count(8) - steady[2000:].count(8)) < 100, stall
+
+
+def test_auto_follows_a_changed_target():
+    rates = ArmRates()
+    run_arms(rates, USELESS, 4000, noise=0.3)
+    assert run_arms(rates, GPU, 40000, noise=0.3, seed=1)[-4000:].count(32) > 0.8 * 4000
+    assert ArmRates().arms == ARMS and ARMS[0] == 0
+
+
+def test_auto_recovers_a_tree_cap_after_an_unlucky_start():
+    # 8 the fastest, but its first blocks (the first utterance: cold caches) ran 2x slower, so plain steps
+    # lead at first and their neighbour, 4 nodes, is no faster than they are
+    valley = {0: 100, 4: 100, 8: 125, 16: 115, 32: 100, 64: 90}
+    # ... or 8 a little faster than 4, but its first blocks 1.5x slower: rechecks bring it back
+    close = {0: 80, 4: 140, 8: 150, 16: 120, 32: 110, 64: 100}
+    for speed, slow in ((valley, 2.0), (close, 1.5)):
+        rates, caps = ArmRates(), []
+        for step in range(12000):
+            arm = rates.choose()
+            cap = rates.arms[arm]
+            rates.record(arm, 1, (slow if step < 3 * BLOCK else 1.0) / speed[cap])
+            caps.append(cap)
+        assert caps[:3 * BLOCK] == [8] * 3 * BLOCK and caps[8000:].count(8) > 0.8 * 4000, speed
+
+
+def test_auto_prefers_plain_steps_to_a_tree_that_barely_pays():
+    # trees 2% faster: within MARGIN, so plain steps (a mix of caps runs slower than its rates say)
+    caps = run_arms(ArmRates(), {0: 100, 4: 102, 8: 101, 16: 95, 32: 90, 64: 80}, 8000, noise=0.3)
+    late = caps[4000:]
+    assert late.count(0) > max(late.count(cap) for cap in ARMS[1:])
+
+
+def test_auto_budget_end_to_end(model):
+    ids = prompt(seed=5)
+    reference = greedy(model, ids, 40)
+    right = generate(model, Scripted(reference, 8, VOCAB, depth=6), input_ids=ids, max_new_tokens=40)
+    assert right.tokens == reference and right.stats.tokens_per_forward > 2
+    assert max(right.stats.node_budgets) <= 8  # the first cap tried: FIRST_ARM
+
+
+def test_auto_budget_stops_asking_a_retriever_that_never_pays():
+    model = tiny_model("llama", "sdpa", VOCAB, seed=1)
+    model.config.max_position_embeddings = 512
     ids = prompt(seed=5)
     calls = []
 
-    class Counting(Wrong):
+    class Counting(Wrong):  # slow as well as wrong: on this tiny model a tree forward costs what a plain one does
         def propose(self, *args, **kwargs):
             calls.append(1)
+            time.sleep(0.002)
             return super().propose(*args, **kwargs)
 
-    cpu_like = CostCurve([0, 1, 2, 4, 8, 16, 32, 64], [1e-3 * (1 + 0.2 * n) for n in (0, 1, 2, 4, 8, 16, 32, 64)])
-    result = generate(model, Counting(VOCAB), input_ids=ids, max_new_tokens=100, min_new_tokens=100,
-                      max_nodes="auto", cost_curve=cpu_like)
-    assert result.tokens == greedy(model, ids, 100)
-    assert len(calls) < len(result.stats.node_budgets) / 4 and set(result.stats.node_budgets[10:]) == {0}
+    result = generate(model, Counting(VOCAB), input_ids=ids, max_new_tokens=400, min_new_tokens=400)
+    assert result.tokens == greedy(model, ids, 400)
+    # trees that are never accepted cost time and emit nothing more: once every cap has been tried,
+    # mostly plain steps (no retriever call)
+    assert len(calls) < 0.4 * len(result.stats.node_budgets) and result.stats.budget["fastest"] == 0
 
-
-def test_auto_budget_keeps_verifying_a_few_trees_for_relaxed_policies():
-    # A relaxed policy's acceptance shows only on verified trees, so declined ones are not scored for it and
-    # every EXPLORE_EVERY-th declined tree is verified anyway (EXPLORE_NODES nodes); exact policies never explore.
-    from echospec.decoder import AutoBudget
-    from echospec.decoder.cost import EXPLORE_EVERY, EXPLORE_NODES
-
-    class Store:  # a retriever stand-in: the budget only keys its shared model by it
-        pass
-
-    cpu_like = CostCurve([0, 1, 2, 4, 8, 16, 32, 64], [1e-3 * (1 + 0.2 * n) for n in (0, 1, 2, 4, 8, 16, 32, 64)])
-    tree = CandidateTree.from_sequences([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]], max_nodes=16)
-    sizes = {}
-    for exact in (False, True):
-        budget = AutoBudget(exact, speech_offset=0, curve=cpu_like)
-        budget.start(None, Store(), type(exact), None, measure=None)
-        for _ in range(50):  # nothing is ever accepted: no tree pays
-            budget.nodes.acceptance.learn(tree.probs, tree.depths, np.zeros(len(tree), bool))
-        sizes[exact] = [len(budget.fit(tree, 1e-5, position, context=10)) for position in range(8 * EXPLORE_EVERY)]
-    assert set(sizes[True]) == {0}
-    assert set(sizes[False]) == {0, EXPLORE_NODES} and sizes[False].count(EXPLORE_NODES) == 8

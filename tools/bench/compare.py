@@ -252,7 +252,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     curve, curve_context = verify_cost_curve(model, speech, prompts, max(node_cap(n) for n in [max_nodes, *sweep_nodes]),
                                              **attach)
     rows = {s.name: [] for s in systems}
-    auto_curve, budgets = None, {}
+    budgets = {}
     for i, prompt in enumerate(tqdm(prompts, desc="bench", unit="utt", disable=not progress)):
         scored_prompt = {k: v for k, v in prompt.inputs().items() if k != "prompt_speech"}
         recorded = {}
@@ -260,7 +260,6 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
             run = system.run(prompt, seed + i)
             system.accepted.extend(run.accepted)
             recorded[system.name] = run.logits
-            auto_curve = run.cost_curve or auto_curve
             budgets[system.name] = run.budget or budgets.get(system.name)
             speech_tokens = speech.to_local(run.tokens)
             rows[system.name].append({
@@ -287,8 +286,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
                          "dtype": dtype, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                          "native_bfloat16": native_bfloat16(device)}
     report["verify_cost_curve"] = curve.to_dict() | {"context_tokens": curve_context}
-    report["auto_cost_curve"] = auto_curve  # what max_nodes="auto" measured (None: no auto system)
-    report["auto_budgets"] = {name: state for name, state in budgets.items() if state}  # its model, at the end
+    report["auto_budgets"] = {name: state for name, state in budgets.items() if state}  # each cap's rate, at the end
     report["setup"] = {"checkpoint": str(checkpoint) if isinstance(checkpoint, (str, Path)) else type(model).__name__,
                        "store": str(store), "prompts": str(source) if isinstance(source, (str, Path)) else "python",
                        "utterances": len(prompts), "max_nodes": max_nodes, "max_depth": max_depth, "seed": seed,

@@ -64,8 +64,7 @@ class Run:
     accepted: list[int]
     tree_sizes: list[int] | None
     logits: list | None = None  # with record_logits: the logits row behind each token emitted
-    cost_curve: dict | None = None  # the verify-cost curve max_nodes="auto" used
-    budget: dict | None = None  # max_nodes="auto": its model at the end of the utterance
+    budget: dict | None = None  # max_nodes="auto": each cap's measured rate at the end of the utterance
 
 
 @dataclass
@@ -137,7 +136,7 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
                           speaker=prompt.speaker if speaker else None, **prompt.inputs(), **generate_options)
         stats = result.stats
         return Run(result.tokens, stats.target_forwards, stats.wall_seconds, stats.accepted_lengths,
-                   stats.node_budgets, rows, stats.cost_curve, stats.budget)
+                   stats.node_budgets, rows, stats.budget)
     return run
 
 

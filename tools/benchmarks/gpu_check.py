@@ -67,7 +67,7 @@ def gpu_check(device: str = "cuda", dtype: str = "bfloat16", out_dir="runs/gpu-c
     keep = ("tokens_per_forward", "speedup", "forward_cost_speedup", "time_per_token_ms", "identical_to_baseline",
             "divergences")
     report["bench"] = {name: {k: s[k] for k in keep if k in s} for name, s in result["systems"].items()}
-    report["auto_cost_curve"] = result["auto_cost_curve"]
+    report["auto_budgets"] = result["auto_budgets"]
     report["seconds"] = time.perf_counter() - started
     with atomic_file(out / "gpu_check.json") as f:
         json.dump(report, f, indent=1)

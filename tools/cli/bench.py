@@ -32,7 +32,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--policy", "policies", multiple=True, type=click.Choice(POLICIES), help="Policies (default: all).")
 @click.option("--stores", default="speaker,general", show_default=True, help="Which stores: speaker, general.")
 @click.option("--nodes", default="auto", show_default=True,
-              help="Node budget: 'auto' (cost-aware, per step; may verify none) or an integer to pin it.")
+              help="Node cap: 'auto' (the fastest cap measured, 0 = plain steps) or an integer to pin it.")
 @click.option("--depth", default=8, show_default=True, type=click.IntRange(1, 64))
 @click.option("--sweep-nodes", default="", help="Node budgets to sweep, e.g. 8,32,64.")
 @click.option("--sweep-depths", default="", help="Depths to sweep, e.g. 4,12.")
