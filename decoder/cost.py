@@ -25,7 +25,6 @@ from numba import njit
 from ..retriever.tree import CandidateTree
 
 CURVE_SIZES = (0, 1, 2, 4, 8, 16, 32, 64)  # the tree sizes a verify-cost curve is measured at
-CURVE_CONTEXT_STEP = 256  # the curve is also timed this many cached tokens later, for how its shape changes
 
 ARMS = (0, 4, 8, 16, 32, 64)
 """The caps "auto" chooses among; 0 is the plain step (the retriever is not asked). No 1 or 2: where the
@@ -59,15 +58,11 @@ def node_cap(max_nodes: int | str) -> int:
 @dataclass
 class CostCurve:
     """Seconds of one verify forward with `sizes[i]` tree nodes (plus the root) with `context` tokens
-    cached, and (`longer`) with `step` more: a tree's rows each attend to the whole context, so its
-    forward grows with the context faster than a one-token step's. What benchmarks report; the auto
-    budget measures whole steps instead."""
+    cached. What benchmarks report; the auto budget measures whole steps instead."""
 
     sizes: list[int]
     seconds: list[float]
     context: int = 0
-    longer: list[float] | None = None
-    step: int = 0
 
     def time(self, nodes) -> np.ndarray:
         """Seconds of a forward verifying `nodes` (interpolated between the sizes measured)."""
@@ -184,29 +179,24 @@ class ArmRates:
         self._sums[arm] = [a + b for a, b in zip(self._sums[arm], (1.0, t, s, t * t, t * s, s * s))]
 
     def _next_block(self) -> int:
+        estimates = [self._estimate(i) for i in range(len(self.arms))]  # (rate, standard error) per cap
+        weighed = [rate * self._handicap(i) for i, (rate, _) in enumerate(estimates)]
         tried = [i for i, n in enumerate(self.blocks) if n >= MIN_BLOCKS]
         if tried:
-            self._best = max(tried, key=lambda i: self._estimate(i)[0] * self._handicap(i))
+            self._best = max(tried, key=weighed.__getitem__)
         trees = [i for i in tried if self.arms[i] > 0]
         if trees:
-            self._best_tree = max(trees, key=lambda i: self._estimate(i)[0])
+            self._best_tree = max(trees, key=lambda i: estimates[i][0])
         near = [i for i in self._order if i in (self._best_tree - 1, self._best_tree, self._best_tree + 1, 0)]
         untried = [i for i in near if self.blocks[i] < MIN_BLOCKS]
         if untried:
             return untried[0]
-        top = self._estimate(self._best)[0] * self._handicap(self._best)
-
-        def recheck_after(i):
-            close = self.arms[self._best] > 0 and self._estimate(i)[0] * self._handicap(i) > 0.8 * top
-            return RECHECK if close else 4 * RECHECK
-        stale = [i for i in near if self._count - self._last[i] > recheck_after(i)]
+        tree_fastest, top = self.arms[self._best] > 0, weighed[self._best]
+        stale = [i for i in near if self._count - self._last[i]
+                 > (RECHECK if tree_fastest and weighed[i] > 0.8 * top else 4 * RECHECK)]
         if stale:
             return stale[0]
-
-        def draw(i):
-            rate, error = self._estimate(i)
-            return self._random.gauss(rate, error) * self._handicap(i)
-        return max(near, key=draw)
+        return max(near, key=lambda i: self._random.gauss(*estimates[i]) * self._handicap(i))
 
     def _handicap(self, arm: int) -> float:
         """What a cap's rate is weighed with: the plain step's raised by MARGIN."""

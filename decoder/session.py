@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..retriever.tree import CandidateTree
-from .cost import CURVE_CONTEXT_STEP, CURVE_SIZES, AutoBudget, CostCurve, FixedBudget, node_cap, prune_order
+from .cost import CURVE_SIZES, AutoBudget, CostCurve, FixedBudget, node_cap, prune_order
 from .errors import DecoderInputError, UnsupportedModelError
 from .policies import ExactGreedy, Policy, VerifiedTree
 from .sampling import NodeState
@@ -429,40 +429,24 @@ class SpeculativeSession:
         return emitted
 
     @torch.no_grad()
-    def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 5,
-                           context_step: int = CURVE_CONTEXT_STEP) -> CostCurve:
-        """Forward time of a verify step against tree size, on the live cache (cropped back after each),
-        and again with `context_step` more (filler) tokens cached: a tree's rows each attend to the whole
-        context, so its forward grows with the context faster than a one-token step's.
+    def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 5) -> CostCurve:
+        """Forward time of a verify step against tree size, on the live cache (cropped back after each).
 
         Sizes are timed round-robin after a warm-up round, in a fresh order each round: a size timed
         right after the largest one runs slower (measured: the one-token step by 10-20%), and a fixed
-        order put that on the one-token step every round. Each round times both contexts, and the
-        shape is the median over rounds of each round's times relative to its own one-token step, so
-        load that comes and goes between rounds (another process on the cores) cancels; taking each
-        size's median time instead put a 1-node tree at 5x a plain step on a loaded 2-core machine. The
-        shape is made non-decreasing (more tokens never cost less) and scaled by the one-token step's
-        median time. The longer context is skipped when the model has no room for it.
+        order put that on the one-token step every round. The shape is the median over rounds of each
+        round's times relative to its own one-token step, so load that comes and goes between rounds
+        (another process on the cores) cancels; taking each size's median time instead put a 1-node tree
+        at 5x a plain step on a loaded 2-core machine. The shape is made non-decreasing (more tokens never
+        cost less) and scaled by the one-token step's median time.
         """
         sizes = sorted({0, *(s for s in sizes if self.cached + s < self.max_positions)})
-        longer = context_step > 0 and self.max_positions - 1 - self.cached - max(sizes) >= context_step
         forwards, forward_seconds = self.stats.target_forwards, self.stats.forward_seconds
         chains = [CandidateTree.from_sequences([[0] * n], max_nodes=n, max_depth=n) for n in sizes]
         orders = np.random.default_rng(0)
-        short, long_ = [], []
-        for _ in range(repeats + 1):  # the first round warms up
-            short.append(self._time_chains(chains, orders))
-            if longer:
-                self._forward([self.generated[-1]] * context_step, self.cached + torch.arange(context_step), None)
-                self.cached += context_step
-                long_.append(self._time_chains(chains, orders))
-                self.cache.crop(-context_step)
-                self.cached -= context_step
+        rounds = [self._time_chains(chains, orders) for _ in range(repeats + 1)]  # the first warms up
         self.stats.target_forwards, self.stats.forward_seconds = forwards, forward_seconds  # not the utterance's
-        curve = CostCurve(sizes, _typical_curve(short[1:]), context=self.cached)
-        if longer:
-            curve.longer, curve.step = _typical_curve(long_[1:]), context_step
-        return curve
+        return CostCurve(sizes, _typical_curve(rounds[1:]), context=self.cached)
 
     def _time_chains(self, chains: list[CandidateTree], orders: np.random.Generator) -> np.ndarray:
         times = np.zeros(len(chains))

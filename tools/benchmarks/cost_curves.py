@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from ...datastore.files import atomic_file
-from ..bench.harness import DTYPES, pyplot, save_figure
+from ..bench.harness import DTYPES, measure_cost_curve, pyplot, save_figure
 from ..cli.options import out_option
 
 SHAPES = {
@@ -60,13 +60,11 @@ def cost_curve(model, context: int = 250, sizes=SIZES, repeats: int = 5):
     """The model's verify-cost curve (a CostCurve) with `context` random tokens cached."""
     import torch
 
-    from ...decoder import ExactGreedy, SpeculativeSession, SpeechVocab
+    from ...decoder import SpeechVocab
 
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
-    session = SpeculativeSession(model, None, ExactGreedy(), speech=SpeechVocab(0, vocab), max_new_tokens=1)
-    session.prefill(input_ids=ids)
-    return session.measure_cost_curve(sizes, repeats=repeats, context_step=0)
+    return measure_cost_curve(model, SpeechVocab(0, vocab), ids[0].tolist(), sizes, repeats=repeats)
 
 
 def prepacked(model):
