@@ -43,9 +43,8 @@ RECHECK = 64  # blocks after which a cap in the running runs again, however slow
 # over 20% behind a tree cap, or behind plain steps: there trying trees costs what lossless sampling on a CPU
 # can least afford): a cap measured only at the start (a cold process: the first cap once read 25% slow and
 # was never run again) or before the target or machine changed
-MARGIN = 0.08  # a tree cap must look 8% faster than plain steps: plain steps cost nothing to get wrong, and a
-# plain step within a few steps of a tree forward ran 6-9% slower than among plain steps only (on the sample's
-# CPU, whichever session ran the trees): mixing flatters trees
+MARGIN = 0.04  # a tree cap must look 4% faster than plain steps: plain steps cost nothing to get wrong (the
+# retriever is not asked), and within 5% of the fastest cap is close enough
 OUTLIER = 4.0  # a step over 4x its block's median step counts as 4x: a GC pause, a preempted process, or a new
 # shape's first forwards on a GPU (three of those once priced a whole cap at 48 ms a step)
 
@@ -124,7 +123,8 @@ class ArmRates:
     fewer than MIN_BLOCKS blocks (the first a warm-up), or not for RECHECK blocks (4x as many unless
     within 20% of a tree cap that is the fastest), else the one whose rate, drawn from a normal around
     its estimate with that standard error, is highest (Thompson sampling). The plain step's rate counts
-    MARGIN higher, in choosing the fastest and in the draw.
+    MARGIN higher, in choosing the fastest and in the draw. Plain steps right after tree steps run slower
+    than among themselves; that block's extra time is charged to the trees (`_close_block`).
 
     So caps are compared over the same stretch of utterances and load, a clearly slower cap is seldom
     run again, and near-equal ones share the blocks: exploring costs about as much as their
@@ -150,6 +150,9 @@ class ArmRates:
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self._arm, self._tokens, self._seconds = self._best, 0, []  # the block running, and its steps so far
+        self._previous: int | None = None  # the cap of the block before it
+        self._held: tuple[int, float, float] | None = None  # a tree block (cap, t, s) not yet counted
+        self._weighed = [0.0] * len(self.arms)  # each cap's rate as the last choice weighed it
 
     def choose(self) -> int:
         """The index (into `arms`) of the cap the next step runs."""
@@ -165,22 +168,46 @@ class ArmRates:
             if len(self._seconds) == BLOCK:
                 steps = sorted(self._seconds)
                 cap = OUTLIER * (steps[(BLOCK - 1) // 2] + steps[BLOCK // 2]) / 2
-                self._add_block(arm, self._tokens, sum(min(step, cap) for step in steps))
-                self._arm, self._tokens, self._seconds = self._next_block(), 0, []
+                after_trees = self._close_block(arm, self._tokens, sum(min(step, cap) for step in steps))
+                self._arm, self._tokens, self._seconds = arm if after_trees else self._next_block(), 0, []
 
-    def _add_block(self, arm: int, t: float, s: float) -> None:
+    def _close_block(self, arm: int, t: float, s: float) -> bool:
+        """Count a finished block; True if it was plain steps right after tree steps (the next is plain too).
+
+        Those run slower than plain steps among themselves (the sample's CPU: +4-14%; a burst of any other
+        work does it, even a busy loop; a tree cap right after another tree cap does not slow down), so that
+        block's seconds beyond the plain steps' rate are charged to the tree block before it and the plain
+        steps' rate is measured on the next block; a tree block is held until the block after it is known.
+        Not where plain steps are over 20% behind the fastest cap (a GPU): a second plain block there costs
+        more than the slowdown could mislead, and the block counts as it is."""
+        plain, previous = self.arms[arm] == 0, self._previous
+        self._previous = arm
         self.blocks[arm] += 1
         self._count += 1
         self._last[arm] = self._count
-        if self.blocks[arm] == 1:  # a warm-up
-            return
+        weight, tokens, seconds = self._sums[arm][:3]
+        after_trees = (plain and previous is not None and self.arms[previous] > 0 and weight > 0.0
+                       and self._weighed[arm] > 0.8 * self._weighed[self._best])
+        if self._held is not None:
+            held, held_t, held_s = self._held
+            self._held = None
+            self._add(held, held_t, held_s + (s - t * seconds / tokens if after_trees else 0.0))
+        if after_trees or self.blocks[arm] == 1:  # a cap's first block warms up and is not counted either
+            return after_trees
+        if plain:
+            self._add(arm, t, s)
+        else:
+            self._held = (arm, t, s)
+        return False
+
+    def _add(self, arm: int, t: float, s: float) -> None:
         for sums in self._sums:
             sums[:] = [x * DECAY for x in sums]
         self._sums[arm] = [a + b for a, b in zip(self._sums[arm], (1.0, t, s, t * t, t * s, s * s))]
 
     def _next_block(self) -> int:
         estimates = [self._estimate(i) for i in range(len(self.arms))]  # (rate, standard error) per cap
-        weighed = [rate * self._handicap(i) for i, (rate, _) in enumerate(estimates)]
+        self._weighed = weighed = [rate * self._handicap(i) for i, (rate, _) in enumerate(estimates)]
         tried = [i for i, n in enumerate(self.blocks) if n >= MIN_BLOCKS]
         if tried:
             self._best = max(tried, key=weighed.__getitem__)
