@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from echospec.tools.cli import main
 from echospec.tools.corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
 
-SYSTEM_FIELDS = {"baseline", "tokens_per_forward", "time_per_token_ms", "speedup", "forward_cost_speedup", "lm_rtf",
+SYSTEM_FIELDS = {"baseline", "tokens_per_forward", "time_per_token_ms", "speedup", "speedup_ci95", "forward_cost_speedup", "lm_rtf",
                  "new_tokens", "log_likelihood", "mel_distortion", "accepted_lengths"}
 
 
@@ -40,6 +40,9 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
         assert SYSTEM_FIELDS <= set(entry), name
         assert entry["new_tokens"] > 0 and entry["tokens_per_forward"] >= 1.0
         assert set(entry["log_likelihood"]) == {"mean", "ci95"}
+        low, high = entry["speedup_ci95"]
+        assert low <= entry["speedup"] <= high, name
+    assert systems["autoregressive"]["speedup_ci95"] == [1.0, 1.0]
     for name in ("hf-prompt-lookup", "exact-greedy/speaker", "exact-greedy/general"):
         assert systems[name]["identical_to_baseline"] == 1.0, name
     for name in ("exact-sampling/speaker", "exact-sampling/general", "exact-sampling/speaker/n4d8"):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from echospec.tools.bench.quality import bootstrap_ci, dtw_distance, relative_difference_ci
+from echospec.tools.bench.quality import bootstrap_ci, dtw_distance, ratio_of_medians_ci, relative_difference_ci
 
 
 def test_dtw_ignores_timing_but_not_content():
@@ -34,3 +34,13 @@ def test_relative_difference_is_paired_by_utterance():
     assert change.mean == pytest.approx(-0.1, abs=1e-9)
     assert change.low < change.mean < change.high and change.high - change.low < 0.05
     assert np.isnan(relative_difference_ci([1.0], [1.0, 2.0]).mean)
+
+
+def test_speedup_interval_is_paired_by_utterance():
+    # utterance lengths vary 10x, so unpaired resampling would swing the medians far more than the 2% the
+    # system saves on every utterance
+    baseline = np.random.default_rng(0).uniform(1.0, 10.0, 100)
+    speedup = ratio_of_medians_ci(baseline, baseline / 1.02 * np.random.default_rng(1).normal(1.0, 0.01, 100))
+    assert speedup.low < speedup.mean < speedup.high and 1.0 < speedup.low and speedup.high < 1.05
+    assert ratio_of_medians_ci(baseline, baseline).to_dict() == {"mean": 1.0, "ci95": [1.0, 1.0]}
+    assert np.isnan(ratio_of_medians_ci([1.0], [1.0, 2.0]).mean)

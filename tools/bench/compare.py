@@ -37,7 +37,7 @@ from .harness import (
     warm_up,
 )
 from .divergence import divergence
-from .quality import bootstrap_ci, dtw_distance, relative_difference_ci
+from .quality import bootstrap_ci, dtw_distance, ratio_of_medians_ci, relative_difference_ci
 
 __all__ = ["POLICIES", "BenchError", "bench", "format_table", "load_prompts", "summarise"]
 
@@ -313,6 +313,9 @@ def summarise(systems: list[System], rows: dict, token_rate: float) -> dict:
             "tokens_per_forward": sum(r["new_tokens"] for r in runs) / max(sum(r["forwards"] for r in runs), 1),
             "time_per_token_ms": {"median": 1e3 * median_tpt[system.name], "min": 1e3 * min(tpt), "max": 1e3 * max(tpt)},
             "speedup": median_tpt[system.baseline] / median_tpt[system.name],
+            # how far resampling the utterances moves it: at ~100 utterances often +-3%
+            "speedup_ci95": ratio_of_medians_ci([r["time_per_token"] for r in rows[system.baseline]],
+                                                tpt).to_dict()["ci95"],
             # what the forwards alone predict on this machine (retriever, mask, walk and cache work free)
             "forward_cost_speedup": (tokens_per_cost[system.name] / tokens_per_cost[system.baseline]
                                      if system.name in tokens_per_cost else None),
@@ -348,7 +351,7 @@ def format_table(report: dict) -> str:
         ci = entry.get("relative_change", {}).get(measure)
         return f"{100 * ci['mean']:+5.1f}% [{100 * ci['ci95'][0]:+5.1f},{100 * ci['ci95'][1]:+5.1f}]" if ci else "-"
 
-    header = (f"{'system':32} {'tok/fwd':>7} {'TPT ms':>7} {'speed-up':>8} {'fwd-cost':>8} {'LM RTF':>6} {'log-lik':>7} "
+    header = (f"{'system':32} {'tok/fwd':>7} {'TPT ms':>7} {'speed-up':>8} {'95% CI':>13} {'fwd-cost':>8} {'LM RTF':>6} {'log-lik':>7} "
               f"{'vs baseline':>21} {'mel-DTW':>7} {'vs baseline':>21} {'same':>5} {'max dlogit':>10}")
     lines = [header, "-" * len(header)]
     for name, s in report["systems"].items():
@@ -357,6 +360,7 @@ def format_table(report: dict) -> str:
         predicted = s.get("forward_cost_speedup")
         lines.append(
             f"{name:32} {s['tokens_per_forward']:7.2f} {s['time_per_token_ms']['median']:7.2f} {s['speedup']:7.2f}x "
+            f"{'[{:.2f}, {:.2f}]'.format(*s['speedup_ci95']):>13} "
             f"{'-' if predicted is None else f'{predicted:.2f}x':>8} "
             f"{s['lm_rtf']:6.3f} {s['log_likelihood']['mean']:7.3f} {change(s, 'log_likelihood'):>21} "
             f"{mel['mean'] if mel else float('nan'):7.2f} {change(s, 'mel_distortion'):>21} "
@@ -438,12 +442,14 @@ def plot(report: dict, systems: list[System], path: Path) -> None:
             left.plot(np.arange(len(counts)), counts / counts.sum(), marker="o", color=color, label=system.name)
         s = report["systems"][system.name]
         ll = s["log_likelihood"]
+        low, high = s["speedup_ci95"]
         right.errorbar(s["speedup"], ll["mean"], yerr=[[ll["mean"] - ll["ci95"][0]], [ll["ci95"][1] - ll["mean"]]],
+                       xerr=[[s["speedup"] - low], [high - s["speedup"]]],
                        fmt="o", capsize=3, color=color, label=system.name)
     left.set(xlabel="tree nodes accepted in a step", ylabel="share of steps", title="Accepted lengths")
     left.legend(fontsize=7)
     right.legend(fontsize=7)
-    right.set(xlabel="speed-up over its baseline (median time per token)",
+    right.set(xlabel="speed-up over its baseline (median time per token, 95% CI)",
               ylabel="target mean log-likelihood (95% CI)", title="Speed against quality")
     curve = report.get("verify_cost_curve")
     if curve:
