@@ -118,7 +118,7 @@ class Filtered(Policy):
 
     def choose(self, logits, child_tokens, state):
         token = self.sampler.sample(logits, state, self.generator)  # the bonus token, unless a draft passes
-        if token in state.stop_ids:  # the end of speech is decided exactly
+        if not child_tokens or token in state.stop_ids:  # the end of speech is decided exactly
             return None, token
         scores = mask_blocked(logits.float(), state)
         passing = [i for i, t in enumerate(child_tokens) if self._passes(scores, t, state)]
@@ -147,6 +147,8 @@ class Tolerance(Policy):
         self.sampler = sampler or Sampler()
 
     def choose(self, logits, child_tokens, state):
+        if not child_tokens:  # q itself, drawn as autoregressive sampling draws it (a plain step costs what its does)
+            return None, self.sampler.sample(logits, state, self.generator)
         q = self.sampler.distribution(logits, state).clone()
         stops = list(state.stop_ids)
         if stops:  # the end of speech is decided exactly; the rule then runs on q without the stop tokens

@@ -187,3 +187,16 @@ def test_relaxed_policies_decide_the_end_of_speech_exactly(name):
     n = 2000
     stopped = sum(policy.walk(tree) == ([], 5) for _ in range(n))
     assert abs(stopped / n - 0.3) < 0.05, stopped / n  # sd 0.01: the target's own stop probability
+
+
+@pytest.mark.parametrize("name", ["filtered", "tolerance", "similarity"])
+def test_relaxed_policies_without_a_tree_draw_what_autoregressive_sampling_draws(name):
+    # a plain step (no retriever, or "auto" choosing 0 nodes) emits, and costs, what autoregressive sampling does
+    model = tiny_model("llama", "sdpa", VOCAB, seed=3, sharpen=2.0)
+    sampler, speech = SAMPLERS["ras"](), SpeechVocab(0, VOCAB, (5,))
+    policy = {"filtered": Filtered(tau=4, sampler=sampler), "tolerance": Tolerance(0.3, sampler),
+              "similarity": SimilarityGroups(0.5, sampler)}[name]
+    for seed in range(5):
+        options = dict(input_ids=[3, 9, 4, 1, 12], speech=speech, seed=seed, max_new_tokens=30)
+        reference = generate(model, None, policy=ExactSampling(sampler), **options)
+        assert generate(model, None, policy=policy, **options).tokens == reference.tokens, seed
