@@ -66,6 +66,18 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
     assert report["machine"]["dtype"] == "float32"
 
 
+def test_bench_rounds_decode_every_prompt_again(sample_store):
+    from echospec.tools.bench import bench
+
+    report = bench(SAMPLE_MODEL_DIR, sample_store, SAMPLE_PROMPTS, policies=("exact-sampling",), stores=("general",),
+                   limit=2, rounds=2, max_new_tokens=8, progress=False)
+    assert report["setup"]["utterances"] == 4 and report["setup"]["rounds"] == 2
+    for name, runs in report["utterances"].items():
+        assert [(r["round"], r["prompt"]) for r in runs[:2]] == [(0, runs[0]["prompt"]), (0, runs[1]["prompt"])]
+        assert [(r["round"], r["prompt"]) for r in runs[2:]] == [(1, runs[0]["prompt"]), (1, runs[1]["prompt"])], name
+    assert report["systems"]["exact-sampling/general"]["identical_to_baseline"] == 1.0  # paired per utterance
+
+
 def test_bench_bad_prompts_file_is_a_clear_error(sample_store, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"text": "hello", "speaker": "nobody"}\n')

@@ -199,7 +199,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
           stop_ids=(), head=None, speech_embedding=None, sampler=None, token_rate: float | None = None,
           tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
           max_nodes: int | str = "auto", max_depth: int = 8, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
-          limit: int | None = None, max_new_tokens: int = 400, threads: int = 1, seed: int = 0,
+          limit: int | None = None, rounds: int = 1, max_new_tokens: int = 400, threads: int = 1, seed: int = 0,
           tau: int | None = None, beta: float = 0.2, similarity: float = 0.3, device: str = "cpu",
           dtype: str = "float32", out_dir=None, progress: bool = True) -> dict:
     """Decode `prompts` with every system; return (and write to `out_dir`) the report as a dict.
@@ -212,6 +212,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     (default RAS) is what the sampling policies and their baseline sample with; `token_rate` (speech tokens
     a second, default the checkpoint's or 25) scales the LM real-time factor. Hugging Face `generate` is the
     greedy baseline where it can run the model (no head, ids prompts); else echospec's own autoregressive loop.
+    Every prompt is decoded `rounds` times, each utterance with its own seed (`seed` + its index).
 
     `device` and `dtype` ("float32", "bfloat16", "float16") are where and in what precision every system
     runs; the log-likelihood is then scored by a float32 copy of the model, so every dtype is judged on one
@@ -253,7 +254,8 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
                                              **attach)
     rows = {s.name: [] for s in systems}
     budgets = {}
-    for i, prompt in enumerate(tqdm(prompts, desc="bench", unit="utt", disable=not progress)):
+    utterances = [(round_, prompt) for round_ in range(rounds) for prompt in prompts]
+    for i, (round_, prompt) in enumerate(tqdm(utterances, desc="bench", unit="utt", disable=not progress)):
         scored_prompt = {k: v for k, v in prompt.inputs().items() if k != "prompt_speech"}
         recorded = {}
         for system in rotated(systems, i):
@@ -263,7 +265,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
             budgets[system.name] = run.budget or budgets.get(system.name)
             speech_tokens = speech.to_local(run.tokens)
             rows[system.name].append({
-                "prompt": prompt.id, "tokens": run.tokens, "new_tokens": len(run.tokens), "forwards": run.forwards,
+                "prompt": prompt.id, "round": round_, "tokens": run.tokens, "new_tokens": len(run.tokens), "forwards": run.forwards,
                 "seconds": run.seconds, "time_per_token": run.seconds / max(len(run.tokens), 1),
                 # the prefill, then each step's forward in one-token-step units of this machine's curve
                 "forward_cost": (None if run.tree_sizes is None
@@ -289,7 +291,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     report["auto_budgets"] = {name: state for name, state in budgets.items() if state}  # each cap's rate, at the end
     report["setup"] = {"checkpoint": str(checkpoint) if isinstance(checkpoint, (str, Path)) else type(model).__name__,
                        "store": str(store), "prompts": str(source) if isinstance(source, (str, Path)) else "python",
-                       "utterances": len(prompts), "max_nodes": max_nodes, "max_depth": max_depth, "seed": seed,
+                       "utterances": len(utterances), "rounds": rounds, "max_nodes": max_nodes, "max_depth": max_depth, "seed": seed,
                        "device": device, "dtype": dtype,
                        "speech": {"offset": speech.offset, "size": speech.size, "stop_ids": list(speech.stop_ids),
                                   "codebooks": speech.codebooks},

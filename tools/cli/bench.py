@@ -39,6 +39,8 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--sweep-policy", "sweep_policies", multiple=True, type=click.Choice(POLICIES),
               help="Policies the sweeps run (default: exact-sampling if benchmarked, else the first policy).")
 @limit_option()
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(1),
+              help="Decode every prompt this many times (a fresh seed each): more utterances, narrower intervals.")
 @click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
 @threads_option
 @click.option("--seed", default=0, show_default=True)
@@ -53,7 +55,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @needs_extra("bench")
 @fail_cleanly
 def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_ids, token_rate, tokenizer, policies,
-                  stores, nodes, depth, sweep_nodes, sweep_depths, sweep_policies, limit, max_new_tokens, threads, seed,
+                  stores, nodes, depth, sweep_nodes, sweep_depths, sweep_policies, limit, rounds, max_new_tokens, threads, seed,
                   dtype, device, tau, beta, similarity, out_dir):
     """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT: an echospec TTS
     checkpoint or any Hugging Face causal LM folder (a model with its own speech head: the Python API,
@@ -76,7 +78,7 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
                    token_rate=token_rate, tokenizer=tokenizer, policies=policies or POLICIES, stores=stores,
                    max_nodes=nodes if nodes == "auto" else int(nodes), max_depth=depth,
                    sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,),
-                   sweep_policies=sweep_policies, limit=limit,
+                   sweep_policies=sweep_policies, limit=limit, rounds=rounds,
                    max_new_tokens=max_new_tokens, threads=threads, seed=seed, tau=tau, beta=beta,
                    similarity=similarity, device=device, dtype=dtype, out_dir=out_dir)
     click.echo(format_table(report))
