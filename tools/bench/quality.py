@@ -43,28 +43,29 @@ def relative_difference_ci(values, baseline, resamples: int = 2000, seed: int = 
     `values[i]` and `baseline[i]` come from the same utterance, so resampling utterances keeps pairs
     together and the interval reflects the policy, not which sentences happened to be drawn.
     """
-    values, baseline = np.asarray(values, np.float64), np.asarray(baseline, np.float64)
-    if len(values) == 0 or len(values) != len(baseline):
-        return Interval(float("nan"), float("nan"), float("nan"))
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(values), size=(resamples, len(values)))
-    base = baseline[picks].mean(axis=1)
-    ratios = (values[picks].mean(axis=1) - base) / np.abs(base)
-    low, high = np.percentile(ratios, [2.5, 97.5])
-    mean = (values.mean() - baseline.mean()) / abs(baseline.mean())
-    return Interval(float(mean), float(low), float(high))
+    def change(values, baseline):
+        base = baseline.mean(axis=-1)
+        return (values.mean(axis=-1) - base) / np.abs(base)
+
+    return _paired_bootstrap(change, values, baseline, resamples, seed)
 
 
 def ratio_of_medians_ci(baseline, values, resamples: int = 2000, seed: int = 0) -> Interval:
     """median(baseline) / median(values) (the bench's speed-up from times per token) with a 95% paired
     bootstrap interval: utterance i of both lists is the same prompt, resampled together."""
+    return _paired_bootstrap(lambda values, baseline: np.median(baseline, axis=-1) / np.median(values, axis=-1),
+                             values, baseline, resamples, seed)
+
+
+def _paired_bootstrap(statistic, values, baseline, resamples: int, seed: int) -> Interval:
+    """`statistic(values, baseline)` (over the last axis) with a 95% percentile-bootstrap interval,
+    resampling utterance pairs; NaN when the lists are empty or of different lengths."""
     values, baseline = np.asarray(values, np.float64), np.asarray(baseline, np.float64)
     if len(values) == 0 or len(values) != len(baseline):
         return Interval(float("nan"), float("nan"), float("nan"))
     picks = np.random.default_rng(seed).integers(0, len(values), size=(resamples, len(values)))
-    ratios = np.median(baseline[picks], axis=1) / np.median(values[picks], axis=1)
-    low, high = np.percentile(ratios, [2.5, 97.5])
-    return Interval(float(np.median(baseline) / np.median(values)), float(low), float(high))
+    low, high = np.percentile(statistic(values[picks], baseline[picks]), [2.5, 97.5])
+    return Interval(float(statistic(values, baseline)), float(low), float(high))
 
 
 @njit(cache=True)
