@@ -40,9 +40,10 @@ DECAY = 0.5 ** (1 / HALF_LIFE)
 BLOCK_CV = 0.1  # the least spread assumed of a block's tokens per second: a rate is never certain (plain
 # steps emit one token each and their blocks vary by ~5%; 0.25 kept trees tried in 7% of lossless sampling steps)
 RECHECK = 64  # blocks after which a cap in the running runs again, however slow it looked (4x as many for one
-# over 20% behind a tree cap, or behind plain steps: there trying trees costs what lossless sampling on a CPU
+# not CLOSE to a tree cap, or behind plain steps: there trying trees costs what lossless sampling on a CPU
 # can least afford): a cap measured only at the start (a cold process: the first cap once read 25% slow and
 # was never run again) or before the target or machine changed
+CLOSE = 0.8  # a cap within 20% of the fastest one's weighed rate is close to it
 MARGIN = 0.04  # a tree cap must look 4% faster than plain steps: plain steps cost nothing to get wrong (the
 # retriever is not asked), and within 5% of the fastest cap is close enough
 OUTLIER = 4.0  # a step over 4x its block's median step counts as 4x: a GC pause, a preempted process, or a new
@@ -187,7 +188,7 @@ class ArmRates:
         self._last[arm] = self._count
         weight, tokens, seconds = self._sums[arm][:3]
         after_trees = (plain and previous is not None and self.arms[previous] > 0 and weight > 0.0
-                       and self._weighed[arm] > 0.8 * self._weighed[self._best])
+                       and self._weighed[arm] > CLOSE * self._weighed[self._best])
         if self._held is not None:
             held, held_t, held_s = self._held
             self._held = None
@@ -220,7 +221,7 @@ class ArmRates:
             return untried[0]
         tree_fastest, top = self.arms[self._best] > 0, weighed[self._best]
         stale = [i for i in near if self._count - self._last[i]
-                 > (RECHECK if tree_fastest and weighed[i] > 0.8 * top else 4 * RECHECK)]
+                 > (RECHECK if tree_fastest and weighed[i] > CLOSE * top else 4 * RECHECK)]
         if stale:
             return stale[0]
         return max(near, key=lambda i: self._random.gauss(*estimates[i]) * self._handicap(i))

@@ -147,7 +147,7 @@ class Tolerance(Policy):
         self.sampler = sampler or Sampler()
 
     def choose(self, logits, child_tokens, state):
-        if not child_tokens:  # q itself, drawn as autoregressive sampling draws it (a plain step costs what its does)
+        if not child_tokens:  # q itself, drawn as autoregressive sampling draws it, at its cost
             return None, self.sampler.sample(logits, state, self.generator)
         q = self.sampler.distribution(logits, state).clone()
         stops = list(state.stop_ids)

@@ -8,8 +8,8 @@ from click.testing import CliRunner
 from echospec.tools.cli import main
 from echospec.tools.corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
 
-SYSTEM_FIELDS = {"baseline", "tokens_per_forward", "time_per_token_ms", "speedup", "speedup_ci95", "forward_cost_speedup", "lm_rtf",
-                 "new_tokens", "log_likelihood", "mel_distortion", "accepted_lengths"}
+SYSTEM_FIELDS = {"baseline", "tokens_per_forward", "time_per_token_ms", "speedup", "speedup_ci95", "forward_cost_speedup",
+                 "lm_rtf", "new_tokens", "log_likelihood", "mel_distortion", "accepted_lengths"}
 
 
 @pytest.fixture(scope="module")

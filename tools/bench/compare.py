@@ -265,7 +265,8 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
             budgets[system.name] = run.budget or budgets.get(system.name)
             speech_tokens = speech.to_local(run.tokens)
             rows[system.name].append({
-                "prompt": prompt.id, "round": round_, "tokens": run.tokens, "new_tokens": len(run.tokens), "forwards": run.forwards,
+                "prompt": prompt.id, "round": round_, "tokens": run.tokens, "new_tokens": len(run.tokens),
+                "forwards": run.forwards,
                 "seconds": run.seconds, "time_per_token": run.seconds / max(len(run.tokens), 1),
                 # the prefill, then each step's forward in one-token-step units of this machine's curve
                 "forward_cost": (None if run.tree_sizes is None
@@ -291,7 +292,8 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     report["auto_budgets"] = {name: state for name, state in budgets.items() if state}  # each cap's rate, at the end
     report["setup"] = {"checkpoint": str(checkpoint) if isinstance(checkpoint, (str, Path)) else type(model).__name__,
                        "store": str(store), "prompts": str(source) if isinstance(source, (str, Path)) else "python",
-                       "utterances": len(utterances), "rounds": rounds, "max_nodes": max_nodes, "max_depth": max_depth, "seed": seed,
+                       "utterances": len(utterances), "rounds": rounds, "max_nodes": max_nodes,
+                       "max_depth": max_depth, "seed": seed,
                        "device": device, "dtype": dtype,
                        "speech": {"offset": speech.offset, "size": speech.size, "stop_ids": list(speech.stop_ids),
                                   "codebooks": speech.codebooks},
@@ -353,8 +355,8 @@ def format_table(report: dict) -> str:
         ci = entry.get("relative_change", {}).get(measure)
         return f"{100 * ci['mean']:+5.1f}% [{100 * ci['ci95'][0]:+5.1f},{100 * ci['ci95'][1]:+5.1f}]" if ci else "-"
 
-    header = (f"{'system':32} {'tok/fwd':>7} {'TPT ms':>7} {'speed-up':>8} {'95% CI':>13} {'fwd-cost':>8} {'LM RTF':>6} {'log-lik':>7} "
-              f"{'vs baseline':>21} {'mel-DTW':>7} {'vs baseline':>21} {'same':>5} {'max dlogit':>10}")
+    header = (f"{'system':32} {'tok/fwd':>7} {'TPT ms':>7} {'speed-up':>8} {'95% CI':>13} {'fwd-cost':>8} "
+              f"{'LM RTF':>6} {'log-lik':>7} {'vs baseline':>21} {'mel-DTW':>7} {'vs baseline':>21} {'same':>5} {'max dlogit':>10}")
     lines = [header, "-" * len(header)]
     for name, s in report["systems"].items():
         mel = s["mel_distortion"]

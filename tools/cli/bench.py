@@ -55,8 +55,8 @@ def _ints(text: str) -> tuple[int, ...]:
 @needs_extra("bench")
 @fail_cleanly
 def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_ids, token_rate, tokenizer, policies,
-                  stores, nodes, depth, sweep_nodes, sweep_depths, sweep_policies, limit, rounds, max_new_tokens, threads, seed,
-                  dtype, device, tau, beta, similarity, out_dir):
+                  stores, nodes, depth, sweep_nodes, sweep_depths, sweep_policies, limit, rounds, max_new_tokens,
+                  threads, seed, dtype, device, tau, beta, similarity, out_dir):
     """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT: an echospec TTS
     checkpoint or any Hugging Face causal LM folder (a model with its own speech head: the Python API,
     echospec.tools.bench.bench(..., head=...)).
