@@ -26,13 +26,13 @@ from .harness import (
     Prompt,
     RelaxedSettings,
     System,
+    balanced_order,
     echospec_run,
     hf_generate_run,
     make_policy,
     measure_cost_curve,
     plot_cost_curve,
     pyplot,
-    rotated,
     save_figure,
     warm_up,
 )
@@ -258,7 +258,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     for i, (round_, prompt) in enumerate(tqdm(utterances, desc="bench", unit="utt", disable=not progress)):
         scored_prompt = {k: v for k, v in prompt.inputs().items() if k != "prompt_speech"}
         recorded = {}
-        for system in rotated(systems, i):
+        for system in balanced_order(systems, i):
             run = system.run(prompt, seed + i)
             system.accepted.extend(run.accepted)
             recorded[system.name] = run.logits

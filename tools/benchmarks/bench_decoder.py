@@ -144,7 +144,7 @@ def run_bench(checkpoint, vocab, hidden, layers, prompts, prompt_length, max_new
         runs = {system.name: [] for system in systems}
         for round_ in range(rounds):
             for i, prompt in enumerate(inputs):
-                for system in harness.rotated(systems, round_ * len(inputs) + i):
+                for system in harness.balanced_order(systems, round_ * len(inputs) + i):
                     run = system.run(prompt, seed)
                     sizes = run.tree_sizes or [0]  # HF prompt lookup's candidates are not visible
                     nodes = sum(sizes) / len(sizes)

@@ -6,7 +6,7 @@ One process run, one corpus, one held-out split, the same contexts for every sys
 - bytes per corpus token (echospec's exact stores on disk; its FAISS store separately; REST's token array +
   suffix array; SuffixDecoding keeps its tree in memory only, so its resident growth is reported instead);
 - propose latency p50/p99/min/max in microseconds over >= 10,000 contexts cut from held-out utterances, the
-  systems interleaved batch by batch (A B C ..., rotated every batch) after a warm-up of each;
+  systems interleaved batch by batch (in a fresh random order every batch) after a warm-up of each;
 - oracle acceptance: walk every held-out utterance; at each step propose from the context so far, accept the
   longest tree path equal to the true next tokens plus the one bonus token a verifier always yields, advance.
   Reported as tokens per step (= tokens per target forward) with a 95% bootstrap interval over utterances.

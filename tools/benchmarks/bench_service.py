@@ -2,7 +2,7 @@
 
 For each concurrency (1, 8, 32 client processes, closed loop: each sends its next request when the last
 is answered) and each request shape (one context, or a batch of 8 contexts), the clients are, in rounds
-that alternate A B C D (rotated every round, after a warm-up of each):
+that alternate A B C D (a balanced order every round, after a warm-up of each):
   inproc       each client process proposes from its own in-process Retriever (the baseline)
   binary       RemoteRetriever, raw little-endian arrays (the client default)
   json         RemoteRetriever, JSON bodies
@@ -51,7 +51,7 @@ import click
 import numpy as np
 
 from ...datastore.files import atomic_file
-from ..bench.harness import pin_threads, rotated
+from ..bench.harness import balanced_order, pin_threads
 from ..cli.options import out_option
 
 THREADS = 1  # per process: the clients, the service and this one
@@ -430,7 +430,7 @@ def run_cells(targets, store_dir, utterances, concurrency, batches, modes, round
             cell_modes = [m for m in modes if not (m in SINGLE_ONLY and batch > 1)]
             runs = {m: [] for m in cell_modes}
             for r in range(rounds):
-                for mode in rotated(cell_modes, r):  # A B C D, B C D A, ...
+                for mode in balanced_order(cell_modes, r):
                     url, pid = targets[mode]
                     runs[mode].append(run_cell("binary" if mode == "floor" else mode, clients, requests, url, "bench",
                                                store_dir, seconds, pid, think))
