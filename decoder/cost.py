@@ -176,7 +176,8 @@ class ArmRates:
         """Count a finished block; True if it was plain steps right after tree steps (the next is plain too).
 
         Those run slower than plain steps among themselves (the sample's CPU: +4-14%; a burst of any other
-        work does it, even a busy loop; a tree cap right after another tree cap does not slow down), so that
+        work does it, even a busy loop; in a 2-thread full bench run a tree cap's first steps after another
+        cap's ran 6-15% slower too, which is not charged yet: README, Limitations), so that
         block's seconds beyond the plain steps' rate are charged to the tree block before it and the plain
         steps' rate is measured on the next block; a tree block is held until the block after it is known.
         Not where plain steps are over 20% behind the fastest cap (a GPU): a second plain block there costs

@@ -5,7 +5,6 @@ import json
 from collections import Counter
 
 import pytest
-
 from click.testing import CliRunner
 
 from echospec.tools.bench.harness import THREAD_VARIABLES, balanced_order
