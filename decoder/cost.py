@@ -39,13 +39,14 @@ HALF_LIFE = 1024  # blocks after which a block's weight in its cap's rate has ha
 DECAY = 0.5 ** (1 / HALF_LIFE)
 BLOCK_CV = 0.1  # the least spread assumed of a block's tokens per second: a rate is never certain (plain
 # steps emit one token each and their blocks vary by ~5%; 0.25 kept trees tried in 7% of lossless sampling steps)
-RECHECK = 64  # blocks after which a cap in the running runs again, however slow it looked (4x as many for one
+RECHECK = 128  # blocks after which a cap in the running runs again, however slow it looked (4x as many for one
 # not CLOSE to a tree cap, or behind plain steps: there trying trees costs what lossless sampling on a CPU
 # can least afford): a cap measured only at the start (a cold process: the first cap once read 25% slow and
 # was never run again) or before the target or machine changed
 CLOSE = 0.8  # a cap within 20% of the fastest one's weighed rate is close to it
 MARGIN = 0.04  # a tree cap must look 4% faster than plain steps: plain steps cost nothing to get wrong (the
 # retriever is not asked), and within 5% of the fastest cap is close enough
+STAY = 0.02  # the cap that ran last is drawn 2% higher: a switch costs a warm-up block's slowdown
 OUTLIER = 4.0  # a step over 4x its block's median step counts as 4x: a GC pause, a preempted process, or a new
 # shape's first forwards on a GPU (three of those once priced a whole cap at 48 ms a step)
 
@@ -124,8 +125,9 @@ class ArmRates:
     fewer than MIN_BLOCKS blocks (the first a warm-up), or not for RECHECK blocks (4x as many unless
     within 20% of a tree cap that is the fastest), else the one whose rate, drawn from a normal around
     its estimate with that standard error, is highest (Thompson sampling). The plain step's rate counts
-    MARGIN higher, in choosing the fastest and in the draw. Plain steps right after tree steps run slower
-    than among themselves; that block's extra time is charged to the trees (`_close_block`).
+    MARGIN higher, in choosing the fastest and in the draw. A cap's steps right after another cap's run
+    slower than among themselves, so a block after a switch is a warm-up and not counted; plain steps'
+    warm-up time is charged to the trees (`_close_block`).
 
     So caps are compared over the same stretch of utterances and load, a clearly slower cap is seldom
     run again, and near-equal ones share the blocks: exploring costs about as much as their
@@ -153,6 +155,7 @@ class ArmRates:
         self._arm, self._tokens, self._seconds = self._best, 0, []  # the block running, and its steps so far
         self._previous: int | None = None  # the cap of the block before it
         self._held: tuple[int, float, float] | None = None  # a tree block (cap, t, s) not yet counted
+        self._charge = 0.0  # a tree warm-up's seconds after plain steps, beyond its cap's rate
         self._weighed = [0.0] * len(self.arms)  # each cap's rate as the last choice weighed it
 
     def choose(self) -> int:
@@ -169,37 +172,41 @@ class ArmRates:
             if len(self._seconds) == BLOCK:
                 steps = sorted(self._seconds)
                 cap = OUTLIER * (steps[(BLOCK - 1) // 2] + steps[BLOCK // 2]) / 2
-                after_trees = self._close_block(arm, self._tokens, sum(min(step, cap) for step in steps))
-                self._arm, self._tokens, self._seconds = arm if after_trees else self._next_block(), 0, []
+                warm_up = self._close_block(arm, self._tokens, sum(min(step, cap) for step in steps))
+                self._arm, self._tokens, self._seconds = arm if warm_up else self._next_block(), 0, []
 
     def _close_block(self, arm: int, t: float, s: float) -> bool:
-        """Count a finished block; True if it was plain steps right after tree steps (the next is plain too).
+        """Count a finished block; True if it was a warm-up and the same cap runs the next block too.
 
-        Those run slower than plain steps among themselves (the sample's CPU: +4-14%; a burst of any other
-        work does it, even a busy loop; in a 2-thread full bench run a tree cap's first steps after another
-        cap's ran 6-15% slower too, which is not charged yet: README, Limitations), so that
-        block's seconds beyond the plain steps' rate are charged to the tree block before it and the plain
-        steps' rate is measured on the next block; a tree block is held until the block after it is known.
-        Not where plain steps are over 20% behind the fastest cap (a GPU): a second plain block there costs
-        more than the slowdown could mislead, and the block counts as it is."""
-        plain, previous = self.arms[arm] == 0, self._previous
-        self._previous = arm
+        A cap's steps right after another cap's run slower than among themselves (the sample's CPU: plain
+        steps after tree steps 4-14%, a tree cap after another cap 6-15% in a full bench run; a burst of any
+        other work does it, even a busy loop). Counted, that would favour whichever cap runs longest, so a
+        block right after another cap's is a warm-up: not counted, and the same cap runs the next block.
+        The extra seconds of plain steps' warm-up (beyond the plain rate) are charged to the tree block
+        before it, which is held until then: going back to plain steps is part of what trees cost. Not for a
+        cap over 20% behind the fastest (plain steps on a GPU, a tree far too large): a second block there
+        costs more than the slowdown could mislead, and the block counts as it is. A cap's first block
+        (a shape's first forwards) is not counted either."""
+        previous, self._previous = self._previous, arm
+        plain = self.arms[arm] == 0
         self.blocks[arm] += 1
         self._count += 1
         self._last[arm] = self._count
         weight, tokens, seconds = self._sums[arm][:3]
-        after_trees = (plain and previous is not None and self.arms[previous] > 0 and weight > 0.0
-                       and self._weighed[arm] > CLOSE * self._weighed[self._best])
+        warm_up = (previous not in (None, arm) and weight > 0.0
+                   and self._weighed[arm] > CLOSE * self._weighed[self._best])
         if self._held is not None:
             held, held_t, held_s = self._held
             self._held = None
-            self._add(held, held_t, held_s + (s - t * seconds / tokens if after_trees else 0.0))
-        if after_trees or self.blocks[arm] == 1:  # a cap's first block warms up and is not counted either
-            return after_trees
+            self._add(held, held_t, held_s + (s - t * seconds / tokens if warm_up and plain else 0.0))
+        if warm_up and not plain and self.arms[previous] == 0:
+            self._charge = s - t * seconds / tokens
+        if warm_up or self.blocks[arm] == 1:
+            return warm_up
         if plain:
             self._add(arm, t, s)
         else:
-            self._held = (arm, t, s)
+            self._held, self._charge = (arm, t, s + self._charge), 0.0
         return False
 
     def _add(self, arm: int, t: float, s: float) -> None:
@@ -225,7 +232,8 @@ class ArmRates:
                  > (RECHECK if tree_fastest and weighed[i] > CLOSE * top else 4 * RECHECK)]
         if stale:
             return stale[0]
-        return max(near, key=lambda i: self._random.gauss(*estimates[i]) * self._handicap(i))
+        return max(near, key=lambda i: self._random.gauss(*estimates[i]) * self._handicap(i)
+                   * (1.0 + STAY if i == self._previous else 1.0))
 
     def _handicap(self, arm: int) -> float:
         """What a cap's rate is weighed with: the plain step's raised by MARGIN."""
