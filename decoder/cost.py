@@ -33,8 +33,8 @@ forward is flat to 4 nodes (bfloat16, a GPU) 4 costs what they do and accepts mo
 faster, and trying them only cost lossless sampling time."""
 FIRST_ARM = 8  # tried first: a middle cap
 BLOCK = 8  # steps in a row under one cap: the unit a cap is chosen and measured by
-MIN_BLOCKS = 3  # blocks every cap runs before its rate counts; its first is a warm-up and not counted
-# (a shape's first forwards, caches: one cap's first block, the first steps of a process, ran at 0.4x its rate)
+TRIES = 2  # blocks counted for every cap before its rate counts (after a warm-up block: a cap's first
+# block, the first steps of a process, ran at 0.4x its rate)
 HALF_LIFE = 1024  # blocks after which a block's weight in its cap's rate has halved: rates follow drift
 DECAY = 0.5 ** (1 / HALF_LIFE)
 BLOCK_CV = 0.1  # the least spread assumed of a block's tokens per second: a rate is never certain (plain
@@ -119,24 +119,24 @@ class ArmRates:
 
     Caps run in blocks of BLOCK steps; a block's rate is its tokens over its seconds (retriever calls,
     forward, walk and compaction: the speed-up users see, whatever the model, machine, policy or store).
-    Each cap's rate is the ratio of its blocks' discounted sums (weights halving every HALF_LIFE blocks),
-    with a standard error from the blocks' spread. Each block runs the plain step (cap 0) or one of the
-    caps next to the fastest tree cap so far (one size smaller, the same, one larger): one that has run
-    fewer than MIN_BLOCKS blocks (the first a warm-up), or not for RECHECK blocks (4x as many unless
-    within 20% of a tree cap that is the fastest), else the one whose rate, drawn from a normal around
-    its estimate with that standard error, is highest (Thompson sampling). The plain step's rate counts
-    MARGIN higher, in choosing the fastest and in the draw. A cap's steps right after another cap's run
-    slower than among themselves, so a block after a switch is a warm-up and not counted; plain steps'
-    warm-up time is charged to the trees (`_close_block`).
+    Each cap's rate is the ratio of its counted blocks' discounted sums (weights halving every HALF_LIFE
+    blocks), with a standard error from the blocks' spread. A block right after another cap's is a warm-up
+    and not counted (`_close_block`). Each block runs the plain step (cap 0) or one of the caps next to the
+    fastest tree cap so far (one size smaller, the same, one larger): one not yet counted TRIES times, or
+    not run for RECHECK blocks (4x as many unless within 20% of a tree cap that is the fastest), else the
+    one whose rate, drawn from a normal around its estimate with that standard error, is highest (Thompson
+    sampling). The plain step's rate counts MARGIN higher, in choosing the fastest and in the draw, and
+    the cap that ran last STAY higher in the draw. The first cap is measured again once the caps next to
+    it have been: its first blocks ran in a cold process.
 
     So caps are compared over the same stretch of utterances and load, a clearly slower cap is seldom
-    run again, and near-equal ones share the blocks: exploring costs about as much as their
-    difference. Rate against tree cap rises to one peak (more nodes accept more, at a rising cost), so
-    looking next to the fastest finds the best without running caps far from it; the plain step and the
-    best tree cap are always in the running, so neither locks the other out after an unlucky start
-    (the plain step's rate is no guide to trees': on the sample 1-2 nodes ran slower than plain steps
-    where 8 ran 9% faster); rechecks notice a changed target or machine. Shared by the sessions of one
-    model, retriever and policy kind (thread-safe), so what one utterance measured the next one uses.
+    run again, and near-equal ones share the blocks in long runs. Rate against tree cap rises to one peak
+    (more nodes accept more, at a rising cost), so looking next to the fastest finds the best without
+    running caps far from it; the plain step and the best tree cap are always in the running, so neither
+    locks the other out after an unlucky start (the plain step's rate is no guide to trees': on the sample
+    1-2 nodes ran slower than plain steps where 8 ran 9% faster); rechecks notice a changed target or
+    machine. Shared by the sessions of one model, retriever and policy kind (thread-safe), so what one
+    utterance measured the next one uses.
     """
 
     def __init__(self, arms=ARMS, first: int = FIRST_ARM, seed: int = 0):
@@ -145,10 +145,12 @@ class ArmRates:
         # Plain Python floats: a block's bookkeeping in NumPy cost ~200 us here, 1% of a small model's time
         self._sums = [[0.0] * 6 for _ in self.arms]
         self.blocks = [0] * len(self.arms)  # blocks run per cap, all time
+        self._counted = [0] * len(self.arms)  # blocks counted in each cap's rate
         self._count = 0  # blocks run, all caps
         self._last = [0] * len(self.arms)  # the block count when each cap last ran
         # the order untried caps run in: `first`, then the others from the plain step up
         self._order = [self.arms.index(first)] + [i for i, cap in enumerate(self.arms) if cap != first]
+        self._cold = True  # the first cap has not been measured again yet
         self._best = self._best_tree = self._order[0]
         self._random = random.Random(seed)
         self._lock = threading.Lock()
@@ -156,7 +158,6 @@ class ArmRates:
         self._previous: int | None = None  # the cap of the block before it
         self._held: tuple[int, float, float] | None = None  # a tree block (cap, t, s) not yet counted
         self._charge = 0.0  # a tree warm-up's seconds after plain steps, beyond its cap's rate
-        self._weighed = [0.0] * len(self.arms)  # each cap's rate as the last choice weighed it
 
     def choose(self) -> int:
         """The index (into `arms`) of the cap the next step runs."""
@@ -176,33 +177,30 @@ class ArmRates:
                 self._arm, self._tokens, self._seconds = arm if warm_up else self._next_block(), 0, []
 
     def _close_block(self, arm: int, t: float, s: float) -> bool:
-        """Count a finished block; True if it was a warm-up and the same cap runs the next block too.
+        """Count a finished block; True if it was a warm-up, and the same cap runs the next block.
 
         A cap's steps right after another cap's run slower than among themselves (the sample's CPU: plain
         steps after tree steps 4-14%, a tree cap after another cap 6-15% in a full bench run; a burst of any
-        other work does it, even a busy loop). Counted, that would favour whichever cap runs longest, so a
-        block right after another cap's is a warm-up: not counted, and the same cap runs the next block.
-        The extra seconds of plain steps' warm-up (beyond the plain rate) are charged to the tree block
-        before it, which is held until then: going back to plain steps is part of what trees cost. Not for a
-        cap over 20% behind the fastest (plain steps on a GPU, a tree far too large): a second block there
-        costs more than the slowdown could mislead, and the block counts as it is. A cap's first block
-        (a shape's first forwards) is not counted either."""
+        other work does it, even a busy loop; and a process's, a shape's first forwards). Counted, that
+        favours whichever cap runs longest, so a block right after another cap's, or the first, is a
+        warm-up: not counted. The seconds of a plain warm-up after trees beyond the plain rate are charged
+        to the tree block before it (held until then), and a tree warm-up's after plain steps beyond its
+        own rate to its next block: going between plain steps and trees is part of what trees cost."""
         previous, self._previous = self._previous, arm
         plain = self.arms[arm] == 0
         self.blocks[arm] += 1
         self._count += 1
         self._last[arm] = self._count
         weight, tokens, seconds = self._sums[arm][:3]
-        warm_up = (previous not in (None, arm) and weight > 0.0
-                   and self._weighed[arm] > CLOSE * self._weighed[self._best])
-        if self._held is not None:
+        extra = s - t * seconds / tokens if weight > 0.0 else 0.0  # beyond this cap's rate
+        if self._held is not None:  # the block before was a counted tree block
             held, held_t, held_s = self._held
             self._held = None
-            self._add(held, held_t, held_s + (s - t * seconds / tokens if warm_up and plain else 0.0))
-        if warm_up and not plain and self.arms[previous] == 0:
-            self._charge = s - t * seconds / tokens
-        if warm_up or self.blocks[arm] == 1:
-            return warm_up
+            self._add(held, held_t, held_s + (extra if plain else 0.0))
+        if previous != arm:
+            self._charge = extra if not plain and previous is not None and self.arms[previous] == 0 else 0.0
+            return True
+        self._counted[arm] += 1
         if plain:
             self._add(arm, t, s)
         else:
@@ -216,15 +214,19 @@ class ArmRates:
 
     def _next_block(self) -> int:
         estimates = [self._estimate(i) for i in range(len(self.arms))]  # (rate, standard error) per cap
-        self._weighed = weighed = [rate * self._handicap(i) for i, (rate, _) in enumerate(estimates)]
-        tried = [i for i, n in enumerate(self.blocks) if n >= MIN_BLOCKS]
+        weighed = [rate * self._handicap(i) for i, (rate, _) in enumerate(estimates)]
+        tried = [i for i, n in enumerate(self._counted) if n >= TRIES]
         if tried:
             self._best = max(tried, key=weighed.__getitem__)
         trees = [i for i in tried if self.arms[i] > 0]
         if trees:
             self._best_tree = max(trees, key=lambda i: estimates[i][0])
         near = [i for i in self._order if i in (self._best_tree - 1, self._best_tree, self._best_tree + 1, 0)]
-        untried = [i for i in near if self.blocks[i] < MIN_BLOCKS]
+        untried = [i for i in near if self._counted[i] < TRIES]
+        if not untried and self._cold:  # measure the first cap again, now that the process is warm
+            self._cold, first = False, self._order[0]
+            self._sums[first], self._counted[first] = [0.0] * 6, 0
+            untried = [first] if first in near else []
         if untried:
             return untried[0]
         tree_fastest, top = self.arms[self._best] > 0, weighed[self._best]
@@ -250,7 +252,7 @@ class ArmRates:
 
     def summary(self) -> dict:
         """Each cap's rate, standard error and steps run (for reports), and the fastest."""
-        tried = [n >= MIN_BLOCKS for n in self.blocks]
+        tried = [n >= TRIES for n in self._counted]
         estimates = [self._estimate(i) if ok else (None, None) for i, ok in enumerate(tried)]
         return {"rates": {str(cap): estimates[i][0] for i, cap in enumerate(self.arms)},
                 "errors": {str(cap): estimates[i][1] for i, cap in enumerate(self.arms)},
