@@ -235,7 +235,7 @@ class ArmRates:
                  > (RECHECK if tree_fastest and weighed[i] > CLOSE * top else 4 * RECHECK)]
         if stale:
             return stale[0]
-        if self.arms[self._best] == 0:  # plain steps lead: trees run only in rechecks
+        if not tree_fastest:  # plain steps lead: trees run only in rechecks
             return self._best
         return max(near, key=lambda i: self._random.gauss(*estimates[i]) * self._handicap(i)
                    * (1.0 + STAY if i == self._previous else 1.0))
