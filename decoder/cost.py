@@ -41,7 +41,7 @@ BLOCK_CV = 0.1  # the least spread assumed of a block's tokens per second: a rat
 # steps emit one token each and their blocks vary by ~5%; 0.25 kept trees tried in 7% of lossless sampling steps)
 RECHECK = 128  # blocks after which a cap in the running runs again, however slow it looked: a cap measured only
 # at the start (a cold process: the first cap once read 25% slow and was never run again) or before the target
-# or machine changed. 4x as many where plain steps lead or for a cap not CLOSE to the fastest tree cap: there
+# or machine changed. 4x as many for a cap not CLOSE to the fastest tree cap, and where plain steps lead, where
 # rechecks are the only way trees run (Thompson draws among trees within a few % of plain steps ran them in
 # 28% of lossless sampling's steps and cost 2.6% against a control; rechecks every 128 blocks, 1-2%)
 CLOSE = 0.8  # a cap within 20% of the fastest one's weighed rate is close to it
@@ -125,10 +125,10 @@ class ArmRates:
     and not counted (`_close_block`). Each block runs the plain step (cap 0) or one of the caps next to the
     fastest tree cap so far (one size smaller, the same, one larger): one not yet counted TRIES times, or
     not run for RECHECK blocks (4x as many unless within 20% of a tree cap that is the fastest), else the
-    plain step if it is the fastest, else the one whose rate, drawn from a normal around its estimate with that standard error,
-    is highest (Thompson sampling). The plain step's rate counts MARGIN higher, in choosing the fastest and
-    in the draw, and the cap that ran last STAY higher in the draw. The first cap is measured again once the caps next to
-    it have been: its first blocks ran in a cold process.
+    plain step if it is the fastest, else the one whose rate, drawn from a normal around its estimate with
+    that standard error, is highest (Thompson sampling). The plain step's rate counts MARGIN higher, in
+    choosing the fastest and in the draw, and the cap that ran last STAY higher in the draw. The first cap
+    is measured again once the caps next to it have been: its first blocks ran in a cold process.
 
     So caps are compared over the same stretch of utterances and load, a clearly slower cap is seldom
     run again, and near-equal ones share the blocks in long runs. Rate against tree cap rises to one peak
