@@ -63,6 +63,7 @@ class GenerationStats:
     target_forwards: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # per decode step: tree nodes accepted
     node_budgets: list[int] = field(default_factory=list)  # per decode step: tree nodes verified
+    node_caps: list[int] = field(default_factory=list)  # per step that asked its budget: the cap it set
     wall_seconds: float = 0.0
     propose_seconds: float = 0.0
     forward_seconds: float = 0.0
@@ -289,6 +290,7 @@ class SpeculativeSession:
         if self.retriever is None or self.finished:
             return CandidateTree.empty()
         cap = self.budget.nodes()
+        self.stats.node_caps.append(cap)
         depth_cap = min(self.max_depth, self.max_new_tokens - len(self.generated),
                         self.max_positions - 1 - self.cached)
         if depth_cap <= 0 or cap == 0:

@@ -63,6 +63,10 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
     assert systems["exact-greedy/speaker"]["divergences"] == [] and "max dlogit" in result.output
     auto = report["auto_budgets"]["exact-greedy/speaker"]
     assert sum(auto["steps"].values()) > 0 and auto["fastest"] in (0, 4, 8, 16, 32, 64)
+    # and the cap each of its steps ran, per utterance (fixed budgets keep none)
+    runs = report["utterances"]["exact-greedy/speaker"]
+    assert all(len(r["caps"]) == r["forwards"] - 1 and set(r["caps"]) <= {0, 4, 8, 16, 32, 64} for r in runs)
+    assert "caps" not in report["utterances"]["exact-sampling/speaker/n4d8"][0]
     assert report["machine"]["dtype"] == "float32"
 
 

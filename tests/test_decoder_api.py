@@ -284,6 +284,8 @@ def test_auto_budget_end_to_end(model):
     right = generate(model, Scripted(reference, 8, VOCAB, depth=6), input_ids=ids, max_new_tokens=40)
     assert right.tokens == reference and right.stats.tokens_per_forward > 2
     assert max(right.stats.node_budgets) <= 8  # the first cap tried: FIRST_ARM
+    # the cap every decode step ran (the prefill asks no budget)
+    assert right.stats.node_caps == [8] * (right.stats.target_forwards - 1)
 
 
 def test_auto_budget_stops_asking_a_retriever_that_never_pays():
@@ -303,4 +305,5 @@ def test_auto_budget_stops_asking_a_retriever_that_never_pays():
     # trees that are never accepted cost time and emit nothing more: once every cap has been tried,
     # mostly plain steps (no retriever call)
     assert len(calls) < 0.4 * len(result.stats.node_budgets) and result.stats.budget["fastest"] == 0
+    assert sum(cap > 0 for cap in result.stats.node_caps) == len(calls)  # cap 0: the retriever is not asked
 

@@ -274,7 +274,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
                 "log_likelihood": mean_log_likelihood(scorer, run.tokens, **scored_prompt, **attach),
                 "mel_distortion": (dtw_distance(mel(speech_tokens), mel(prompt.reference))
                                    if mel is not None and prompt.reference and speech_tokens else None),
-            })
+            } | ({"caps": run.caps} if run.caps is not None else {}))
         for system in systems:  # where a lossless system left its baseline: rounding, or a bug?
             if system.lossless_of:
                 row, base = rows[system.name][-1], rows[system.lossless_of][-1]
@@ -435,9 +435,13 @@ def write_report(report: dict, systems: list[System], out_dir: Path) -> None:
 
 
 def plot(report: dict, systems: list[System], path: Path) -> None:
-    """Accepted tree nodes per step for each echospec system; speed-up against quality; the verify-cost curve."""
+    """Accepted tree nodes per step for each echospec system; speed-up against quality; the verify-cost curve;
+    where max_nodes="auto" ran, the caps it chose over the run."""
     plt = pyplot()
-    fig, (left, right, cost) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [3, 3, 2]})
+    auto = {name: runs for name, runs in report["utterances"].items() if runs and "caps" in runs[0]}
+    fig, axes = plt.subplots(1, 3 + bool(auto), figsize=(19 + 6 * bool(auto), 5.5),
+                             gridspec_kw={"width_ratios": [3, 3, 2] + [3] * bool(auto)})
+    left, right, cost = axes[:3]
     colors = plt.get_cmap("tab20")
     for i, system in enumerate(systems):
         color = colors(i % 20)
@@ -460,5 +464,30 @@ def plot(report: dict, systems: list[System], path: Path) -> None:
         plot_cost_curve(cost, curve, label="this machine")
         cost.axhline(1.0, color="grey", linestyle="--", label="flat (a GPU, roughly)")
         cost.legend(fontsize=7)
+    if auto:
+        plot_auto_caps(axes[3], auto, colors)
     fig.tight_layout()
     save_figure(fig, path)
+
+
+def plot_auto_caps(ax, auto: dict, colors, window: int = 400) -> None:
+    """Each auto system's steps in decoding order, over a moving window of `window` steps (or all, if fewer):
+    the share run as trees (solid, left axis) and those steps' mean cap (dotted, right axis)."""
+    caps_axis = ax.twinx()
+    for i, (name, runs) in enumerate(auto.items()):
+        caps = np.array([cap for run in runs for cap in run["caps"]], float)
+        if not len(caps):
+            continue
+        kernel = np.ones(min(window, len(caps))) / min(window, len(caps))
+        trees = np.convolve(caps > 0, kernel, mode="valid")
+        mean_cap = np.convolve(caps, kernel, mode="valid") / np.maximum(trees, 1e-9)
+        steps = np.arange(len(kernel), len(caps) + 1)
+        ax.plot(steps, trees, color=colors(i % 20), label=name)
+        caps_axis.plot(steps[trees > 0], mean_cap[trees > 0], color=colors(i % 20), linestyle=":")
+    ax.set(xlabel="decode step (all utterances, in order)", ylabel="share of steps on trees (solid)",
+           ylim=(-0.02, 1.02), title=f'max_nodes="auto": its choices ({window}-step window)')
+    caps_axis.set_yscale("log", base=2)
+    caps_axis.set(ylim=(3, 80), ylabel="their mean cap (dotted)")
+    caps_axis.set_yticks([4, 8, 16, 32, 64], ["4", "8", "16", "32", "64"])
+    caps_axis.minorticks_off()
+    ax.legend(fontsize=7)

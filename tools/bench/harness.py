@@ -66,6 +66,7 @@ class Run:
     tree_sizes: list[int] | None
     logits: list | None = None  # with record_logits: the logits row behind each token emitted
     budget: dict | None = None  # max_nodes="auto": each cap's measured rate at the end of the utterance
+    caps: list[int] | None = None  # max_nodes="auto": the cap each step ran
 
 
 @dataclass
@@ -152,7 +153,7 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
                           speaker=prompt.speaker if speaker else None, **prompt.inputs(), **generate_options)
         stats = result.stats
         return Run(result.tokens, stats.target_forwards, stats.wall_seconds, stats.accepted_lengths,
-                   stats.node_budgets, rows, stats.budget)
+                   stats.node_budgets, rows, stats.budget, stats.node_caps if stats.budget else None)
     return run
 
 
