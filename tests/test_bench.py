@@ -8,8 +8,8 @@ from click.testing import CliRunner
 from echospec.tools.cli import main
 from echospec.tools.corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
 
-SYSTEM_FIELDS = {"baseline", "tokens_per_forward", "time_per_token_ms", "speedup", "speedup_ci95", "forward_cost_speedup",
-                 "lm_rtf", "new_tokens", "log_likelihood", "mel_distortion", "accepted_lengths"}
+SYSTEM_FIELDS = {"baseline", "tokens_per_forward", "time_per_token_ms", "speedup", "speedup_ci95", "speedup_paired",
+                 "forward_cost_speedup", "lm_rtf", "new_tokens", "log_likelihood", "mel_distortion", "accepted_lengths"}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,9 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
         low, high = entry["speedup_ci95"]
         assert low <= entry["speedup"] <= high, name
     assert systems["autoregressive"]["speedup_ci95"] == [1.0, 1.0]
+    assert systems["autoregressive"]["speedup_paired"] == {"median": 1.0, "ci95": [1.0, 1.0]}
+    assert all(e["speedup_paired"]["ci95"][0] <= e["speedup_paired"]["median"] <= e["speedup_paired"]["ci95"][1]
+               for e in systems.values())
     for name in ("hf-prompt-lookup", "exact-greedy/speaker", "exact-greedy/general"):
         assert systems[name]["identical_to_baseline"] == 1.0, name
     for name in ("exact-sampling/speaker", "exact-sampling/general", "exact-sampling/speaker/n4d8"):

@@ -57,6 +57,13 @@ def ratio_of_medians_ci(baseline, values, resamples: int = 2000, seed: int = 0) 
                              values, baseline, resamples, seed)
 
 
+def median_ratio_ci(baseline, values, resamples: int = 2000, seed: int = 0) -> Interval:
+    """The median over utterances of baseline[i] / values[i] (each utterance's own speed-up: the prompt, its
+    length and the machine's state at that moment cancel) with a 95% paired bootstrap interval."""
+    return _paired_bootstrap(lambda values, baseline: np.median(baseline / values, axis=-1),
+                             values, baseline, resamples, seed)
+
+
 def _paired_bootstrap(statistic, values, baseline, resamples: int, seed: int) -> Interval:
     """`statistic(values, baseline)` (over the last axis) with a 95% percentile-bootstrap interval,
     resampling utterance pairs; NaN when the lists are empty or of different lengths."""
