@@ -472,16 +472,16 @@ def plot(report: dict, systems: list[System], path: Path) -> None:
         cost.axhline(1.0, color="grey", linestyle="--", label="flat (a GPU, roughly)")
         cost.legend(fontsize=7)
     if auto:
-        plot_auto_caps(axes[3], auto, colors)
+        plot_auto_caps(axes[3], auto, {system.name: colors(i % 20) for i, system in enumerate(systems)})
     fig.tight_layout()
     save_figure(fig, path)
 
 
-def plot_auto_caps(ax, auto: dict, colors, window: int = 400) -> None:
+def plot_auto_caps(ax, auto: dict, colors: dict, window: int = 400) -> None:
     """Each auto system's steps in decoding order, over a moving window of `window` steps (or all, if fewer):
-    the share run as trees (solid, left axis) and those steps' mean cap (dotted, right axis)."""
+    the share run as trees (solid, left axis) and those steps' mean cap (dotted, right axis); `colors` by name."""
     caps_axis = ax.twinx()
-    for i, (name, runs) in enumerate(auto.items()):
+    for name, runs in auto.items():
         caps = np.array([cap for run in runs for cap in run["caps"]], float)
         if not len(caps):
             continue
@@ -489,8 +489,8 @@ def plot_auto_caps(ax, auto: dict, colors, window: int = 400) -> None:
         trees = np.convolve(caps > 0, kernel, mode="valid")
         mean_cap = np.convolve(caps, kernel, mode="valid") / np.maximum(trees, 1e-9)
         steps = np.arange(len(kernel), len(caps) + 1)
-        ax.plot(steps, trees, color=colors(i % 20), label=name)
-        caps_axis.plot(steps[trees > 0], mean_cap[trees > 0], color=colors(i % 20), linestyle=":")
+        ax.plot(steps, trees, color=colors[name], label=name)
+        caps_axis.plot(steps[trees > 0], mean_cap[trees > 0], color=colors[name], linestyle=":")
     ax.set(xlabel="decode step (all utterances, in order)", ylabel="share of steps on trees (solid)",
            ylim=(-0.02, 1.02), title=f'max_nodes="auto": its choices ({window}-step window)')
     caps_axis.set_yscale("log", base=2)
