@@ -132,3 +132,15 @@ def test_bench_and_demo_turn_bad_paths_into_messages(tmp_path):
     result = CliRunner().invoke(main, ["demo", "--out", str(blocked / "demo")])
     assert result.exit_code == 1 and "Error:" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_bench_plot_takes_auto_utterances_without_steps(tmp_path):
+    # an utterance that ends at its first token runs no decode step and keeps no caps
+    from echospec.tools.bench.compare import plot
+    from echospec.tools.bench.harness import System
+
+    entry = {"speedup": 1.0, "speedup_ci95": [0.9, 1.1], "log_likelihood": {"mean": -1.0, "ci95": [-1.1, -0.9]}}
+    report = {"systems": {"exact-greedy/speaker": entry},
+              "utterances": {"exact-greedy/speaker": [{"caps": [8] * 16 + [0] * 8}, {}, {"caps": [4] * 24}]}}
+    plot(report, [System("exact-greedy/speaker", None, accepted=[0, 1, 2])], tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 10_000

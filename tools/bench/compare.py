@@ -445,7 +445,8 @@ def plot(report: dict, systems: list[System], path: Path) -> None:
     """Accepted tree nodes per step for each echospec system; speed-up against quality; the verify-cost curve;
     where max_nodes="auto" ran, the caps it chose over the run."""
     plt = pyplot()
-    auto = {name: runs for name, runs in report["utterances"].items() if runs and "caps" in runs[0]}
+    # an utterance that ended at its first token (no decode step) keeps no caps
+    auto = {name: runs for name, runs in report["utterances"].items() if any("caps" in run for run in runs)}
     fig, axes = plt.subplots(1, 3 + bool(auto), figsize=(19 + 6 * bool(auto), 5.5),
                              gridspec_kw={"width_ratios": [3, 3, 2] + [3] * bool(auto)})
     left, right, cost = axes[:3]
@@ -482,7 +483,7 @@ def plot_auto_caps(ax, auto: dict, colors: dict, window: int = 400) -> None:
     the share run as trees (solid, left axis) and those steps' mean cap (dotted, right axis); `colors` by name."""
     caps_axis = ax.twinx()
     for name, runs in auto.items():
-        caps = np.array([cap for run in runs for cap in run["caps"]], float)
+        caps = np.array([cap for run in runs for cap in run.get("caps", ())], float)
         if not len(caps):
             continue
         kernel = np.ones(min(window, len(caps))) / min(window, len(caps))
