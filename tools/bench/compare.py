@@ -320,7 +320,7 @@ def summarise(systems: list[System], rows: dict, token_rate: float) -> dict:
             # how far resampling the utterances moves it: at ~100 utterances often +-3%
             "speedup_ci95": ratio_of_medians_ci(base_tpt, tpt).to_dict()["ci95"],
             # each utterance's ratio to its baseline's, the median of those: less spread than the ratio of medians
-            "speedup_paired": _median_and_ci(median_ratio_ci(base_tpt, tpt)),
+            "speedup_paired": median_ratio_ci(base_tpt, tpt).to_dict("median"),
             # what the forwards alone predict on this machine (retriever, mask, walk and cache work free)
             "forward_cost_speedup": (tokens_per_cost[system.name] / tokens_per_cost[system.baseline]
                                      if system.name in tokens_per_cost else None),
@@ -386,10 +386,6 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _median_and_ci(interval) -> dict:
-    return {"median": interval.mean, "ci95": [interval.low, interval.high]}
-
-
 def _largest_difference(entry: dict) -> str:
     differences = [d["max_logit_difference"] for d in entry.get("divergences", ())
                    if d.get("max_logit_difference") is not None]
@@ -445,14 +441,15 @@ def plot(report: dict, systems: list[System], path: Path) -> None:
     """Accepted tree nodes per step for each echospec system; speed-up against quality; the verify-cost curve;
     where max_nodes="auto" ran, the caps it chose over the run."""
     plt = pyplot()
-    # an utterance that ended at its first token (no decode step) keeps no caps
+    # rows without caps (a report from before they were recorded) are left out
     auto = {name: runs for name, runs in report["utterances"].items() if any("caps" in run for run in runs)}
     fig, axes = plt.subplots(1, 3 + bool(auto), figsize=(19 + 6 * bool(auto), 5.5),
                              gridspec_kw={"width_ratios": [3, 3, 2] + [3] * bool(auto)})
     left, right, cost = axes[:3]
-    colors = plt.get_cmap("tab20")
-    for i, system in enumerate(systems):
-        color = colors(i % 20)
+    palette = plt.get_cmap("tab20")
+    colors = {system.name: palette(i % 20) for i, system in enumerate(systems)}  # one per system, in every panel
+    for system in systems:
+        color = colors[system.name]
         if system.accepted and system.name not in ("autoregressive", "ar-sampling"):
             counts = np.bincount(system.accepted)
             left.plot(np.arange(len(counts)), counts / counts.sum(), marker="o", color=color, label=system.name)
@@ -473,7 +470,7 @@ def plot(report: dict, systems: list[System], path: Path) -> None:
         cost.axhline(1.0, color="grey", linestyle="--", label="flat (a GPU, roughly)")
         cost.legend(fontsize=7)
     if auto:
-        plot_auto_caps(axes[3], auto, {system.name: colors(i % 20) for i, system in enumerate(systems)})
+        plot_auto_caps(axes[3], auto, colors)
     fig.tight_layout()
     save_figure(fig, path)
 

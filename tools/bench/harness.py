@@ -146,6 +146,8 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
     from ...decoder import generate
     from .divergence import record_logits as recording
 
+    auto = retriever is not None and generate_options.get("max_nodes", "auto") == "auto"
+
     def run(prompt: Prompt, seed: int) -> Run:
         chosen = policy(seed)
         rows = recording(chosen) if record_logits else None
@@ -153,7 +155,7 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
                           speaker=prompt.speaker if speaker else None, **prompt.inputs(), **generate_options)
         stats = result.stats
         return Run(result.tokens, stats.target_forwards, stats.wall_seconds, stats.accepted_lengths,
-                   stats.node_budgets, rows, stats.budget, stats.node_caps if stats.budget else None)
+                   stats.node_budgets, rows, stats.budget, stats.node_caps if auto else None)
     return run
 
 

@@ -22,8 +22,9 @@ class Interval:
     def __str__(self) -> str:
         return f"{self.mean:.3f} [{self.low:.3f}, {self.high:.3f}]"
 
-    def to_dict(self) -> dict:
-        return {"mean": self.mean, "ci95": [self.low, self.high]}
+    def to_dict(self, estimate: str = "mean") -> dict:
+        """{estimate: the point estimate, "ci95": [low, high]}; `estimate` names what it is (a mean, a median)."""
+        return {estimate: self.mean, "ci95": [self.low, self.high]}
 
 
 def bootstrap_ci(values, resamples: int = 2000, seed: int = 0) -> Interval:
