@@ -8,6 +8,7 @@ the rest cropped, on transformers' own DynamicCache. The prefix is never run aga
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from ..retriever.tree import CandidateTree
 from .cost import CURVE_SIZES, AutoBudget, CostCurve, FixedBudget, node_cap, prune_order
 from .errors import DecoderInputError, UnsupportedModelError
+from .gqa import copies_grouped_heads, grouped_query_attention
 from .policies import ExactGreedy, Policy, VerifiedTree
 from .sampling import NodeState
 from .vocab import SpeechVocab
@@ -127,6 +129,7 @@ class SpeculativeSession:
         check_model(model, head)
         self.model, self.retriever, self.speaker, self.head = model, retriever, speaker, head
         self.backbone = model if head is None else model.base_model
+        self._copies_grouped_heads = copies_grouped_heads(model)
         self.policy = policy or ExactGreedy()
         self.vocab_size = self._output_size()
         self.speech = speech or SpeechVocab(0, self.vocab_size, _eos_ids(model))
@@ -220,7 +223,9 @@ class SpeculativeSession:
     def _forward(self, ids: list[int], positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         inputs = {"inputs_embeds": self._embed(ids)} if self.speech_embedding is not None else {
             "input_ids": torch.tensor([ids], device=self.model.device)}
-        return self._logits(inputs, attention_mask=mask, position_ids=positions[None].to(self.model.device))[0]
+        tree = mask is not None and self._copies_grouped_heads
+        with grouped_query_attention() if tree else contextlib.nullcontext():
+            return self._logits(inputs, attention_mask=mask, position_ids=positions[None].to(self.model.device))[0]
 
     # ---- prefill ------------------------------------------------------------------------------------
 

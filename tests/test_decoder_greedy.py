@@ -1,5 +1,7 @@
 """ExactGreedy is token for token Hugging Face greedy decoding; the compacted cache is the full forward's."""
 
+import os
+
 import pytest
 import torch
 from decoder_testing import PromptLookup, Scripted, tiny_model
@@ -132,3 +134,44 @@ def test_prepacked_model_decodes_the_same():
     assert type(model.model.layers[0].mlp.gate_proj).__name__ == "MkldnnLinear"
     assert isinstance(model.get_output_embeddings(), torch.nn.Linear)
     assert ours(model, ids, "ids", Scripted(reference, 8, VOCAB), 30, max_nodes=8).tokens == reference
+
+
+def test_tree_forward_hands_grouped_heads_to_sdpa_uncopied(monkeypatch):
+    # on a CPU a tree forward's sdpa attention takes the 2 key/value heads as they are instead of copying the
+    # cache per query head (transformers' switch, set only around the forward); the logits are the copy's
+    import transformers.integrations.sdpa_attention as sdpa
+
+    from echospec.decoder.gqa import SWITCH
+
+    monkeypatch.delenv(SWITCH, raising=False)
+    copies, repeat_kv = [], sdpa.repeat_kv
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda *args: copies.append(1) or repeat_kv(*args))
+    model = tiny_model("qwen2", "sdpa", VOCAB, seed=3)
+    switch = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: switch.append(os.environ.get(SWITCH)))
+    session = SpeculativeSession(model, None, ExactGreedy(), speech=SpeechVocab(0, VOCAB), max_new_tokens=4)
+    session.prefill(input_ids=torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1)))
+    tree = CandidateTree.from_sequences([[1, 2, 3], [4, 5], [1, 6]])
+    grouped = session.verify(tree).logits
+    assert not copies and switch == [None, "1"] and SWITCH not in os.environ
+    session.cache.crop(-(len(tree) + 1))
+    session._copies_grouped_heads = False  # transformers' own way: each layer copies its keys and values
+    copied = session.verify(tree).logits
+    assert len(copies) == 2 * 2 and switch[-1] is None
+    torch.testing.assert_close(grouped, copied, rtol=0, atol=1e-6)
+
+
+def test_grouped_head_switch_is_only_for_cpu_sdpa_with_grouped_heads_and_restores(monkeypatch):
+    from echospec.decoder.gqa import SWITCH, copies_grouped_heads, grouped_query_attention
+
+    assert copies_grouped_heads(tiny_model("llama", "sdpa", VOCAB))
+    assert not copies_grouped_heads(tiny_model("llama", "eager", VOCAB))  # eager attention always copies
+    ungrouped = tiny_model("llama", "sdpa", VOCAB)
+    ungrouped.config.num_key_value_heads = ungrouped.config.num_attention_heads
+    assert not copies_grouped_heads(ungrouped)
+    monkeypatch.setenv(SWITCH, "0")  # a user's own setting comes back after the last of nested forwards
+    with grouped_query_attention():
+        with grouped_query_attention():
+            assert os.environ[SWITCH] == "1"
+        assert os.environ[SWITCH] == "1"
+    assert os.environ[SWITCH] == "0"

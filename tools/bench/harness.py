@@ -189,14 +189,16 @@ def make_policy(name: str, seed: int, relaxed: RelaxedSettings, sampler=None):
 
 
 def measure_cost_curve(model, speech, input_ids: list[int] | None, sizes=None, repeats: int = 5, *,
-                       inputs_embeds=None, **session_options):
+                       inputs_embeds=None, copy_grouped_heads: bool = False, **session_options):
     """This machine's forward time against tree size for `model` after the prompt (`input_ids` or
     `inputs_embeds`), relative to a one-token step (a CostCurve); sizes default to the decoder's CURVE_SIZES.
+    `copy_grouped_heads`: tree forwards as transformers runs them by default (see `decoder.gqa`).
     `session_options` (head, speech_embedding) go to the SpeculativeSession."""
     from ...decoder import ExactGreedy, SpeculativeSession
     from ...decoder.cost import CURVE_SIZES
 
     session = SpeculativeSession(model, None, ExactGreedy(), speech=speech, max_new_tokens=1, **session_options)
+    session._copies_grouped_heads &= not copy_grouped_heads
     session.prefill(input_ids=input_ids, inputs_embeds=inputs_embeds)
     return session.measure_cost_curve(CURVE_SIZES if sizes is None else sizes, repeats=repeats)
 

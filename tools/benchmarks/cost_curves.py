@@ -6,8 +6,9 @@
 Random weights (a forward's cost does not depend on them) except for the shipped sample model; `--context`
 tokens in the cache; `SpeculativeSession.measure_cost_curve` (all sizes timed round-robin, each round
 relative to its own one-token step, median over rounds). `--variants` adds `mkldnn` (every nn.Linear's
-weight prepacked for oneDNN: `echospec.decoder.prepack`) and, for float32, `compile` (torch.compile of the
-model's forward, dynamic shapes). Prints one line per curve — the one-token step in ms, then each tree
+weight prepacked for oneDNN: `echospec.decoder.prepack`), `repeat-kv` (tree forwards as transformers runs them
+by default, the KV cache copied per query head: what `echospec.decoder.gqa` saves) and, for float32, `compile`
+(torch.compile of the model's forward, dynamic shapes). Prints one line per curve — the one-token step in ms, then each tree
 size's forward time relative to it — and writes cost_curves.json and cost_curves.png under --out.
 """
 
@@ -56,7 +57,7 @@ def shape_model(shape: str, dtype, device="cpu"):
     return model.to(dtype=dtype).eval()
 
 
-def cost_curve(model, context: int = 250, sizes=SIZES, repeats: int = 5):
+def cost_curve(model, context: int = 250, sizes=SIZES, repeats: int = 5, copy_grouped_heads: bool = False):
     """The model's verify-cost curve (a CostCurve) with `context` random tokens cached."""
     import torch
 
@@ -64,7 +65,8 @@ def cost_curve(model, context: int = 250, sizes=SIZES, repeats: int = 5):
 
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
-    return measure_cost_curve(model, SpeechVocab(0, vocab), ids[0].tolist(), sizes, repeats=repeats)
+    return measure_cost_curve(model, SpeechVocab(0, vocab), ids[0].tolist(), sizes, repeats=repeats,
+                              copy_grouped_heads=copy_grouped_heads)
 
 
 def prepacked(model):
@@ -80,7 +82,7 @@ def run(shapes, dtypes, threads, variants, context: int, repeats: int, device: s
     rows = []
     for shape in shapes:
         for dtype in dtypes:
-            for variant in ["plain", *(v for v in variants if dtype == "float32" or v == "mkldnn")]:
+            for variant in ["plain", *(v for v in variants if dtype == "float32" or v != "compile")]:
                 model = shape_model(shape, getattr(torch, dtype), device)
                 if variant == "mkldnn":
                     model = prepacked(model)
@@ -89,7 +91,7 @@ def run(shapes, dtypes, threads, variants, context: int, repeats: int, device: s
                 for n in threads:
                     torch.set_num_threads(n)  # the forward's pool only (pin_threads would set the environment)
                     start = time.perf_counter()
-                    curve = cost_curve(model, context, repeats=repeats)
+                    curve = cost_curve(model, context, repeats=repeats, copy_grouped_heads=variant == "repeat-kv")
                     row = {"shape": shape, "dtype": dtype, "variant": variant, "threads": n, "context": context,
                            "device": device, "one_step_ms": 1e3 * curve.seconds[0], "sizes": curve.sizes,
                            "relative": curve.relative(), "seconds_to_measure": time.perf_counter() - start}
@@ -101,7 +103,7 @@ def run(shapes, dtypes, threads, variants, context: int, repeats: int, device: s
 
 def format_row(row: dict) -> str:
     points = " ".join(f"{n}:{r:.2f}" for n, r in zip(row["sizes"], row["relative"]))
-    return (f"{row['shape']:10} {row['dtype']:8} {row['variant']:7} {row['threads']}t "
+    return (f"{row['shape']:10} {row['dtype']:8} {row['variant']:9} {row['threads']}t "
             f"{row['one_step_ms']:8.2f} ms  {points}")
 
 
@@ -131,7 +133,7 @@ def _names(text: str, allowed=None) -> list[str]:
               help=f"Comma-separated: sample, {', '.join(SHAPES)}.")
 @click.option("--dtypes", default="float32,bfloat16", show_default=True)
 @click.option("--threads", default="1,2", show_default=True, help="torch thread counts to time each curve with.")
-@click.option("--variants", default="", help="float32 extras: mkldnn, compile.")
+@click.option("--variants", default="", help="Extras: mkldnn, repeat-kv, compile (float32 only).")
 @click.option("--context", default=250, show_default=True, type=click.IntRange(1))
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1))
 @click.option("--device", default="cpu", show_default=True)
@@ -139,7 +141,7 @@ def _names(text: str, allowed=None) -> list[str]:
 def main(shapes, dtypes, threads, variants, context, repeats, device, out_dir) -> None:
     """Verify-cost curves on realistic shapes, by dtype, thread count and CPU trick."""
     rows = run(_names(shapes, ("sample", *SHAPES)), _names(dtypes, DTYPES), [int(t) for t in _names(threads)],
-               _names(variants, ("mkldnn", "compile")) if variants else [], context, repeats, device, click.echo)
+               _names(variants, ("mkldnn", "repeat-kv", "compile")) if variants else [], context, repeats, device, click.echo)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with atomic_file(out / "cost_curves.json") as f:
