@@ -1,6 +1,7 @@
 """`echospec bench` and `echospec demo` end to end on the shipped sample, with a small budget."""
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -144,3 +145,20 @@ def test_bench_plot_takes_auto_utterances_without_steps(tmp_path):
               "utterances": {"exact-greedy/speaker": [{"caps": [8] * 16 + [0] * 8}, {}, {"caps": [4] * 24}]}}
     plot(report, [System("exact-greedy/speaker", None, accepted=[0, 1, 2])], tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_grouped_heads_benchmark_runs_both_ways_with_the_same_tokens(sample_store, tmp_path, monkeypatch):
+    from echospec.tools.benchmarks import grouped_heads
+
+    monkeypatch.delenv(grouped_heads.SWITCH, raising=False)
+    result = CliRunner().invoke(grouped_heads.main, ["--store", str(sample_store), "--limit", "3", "--nodes", "4",
+                                                     "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "grouped_heads.json").read_text())
+    assert report["same_tokens"] == 1.0 and report["utterances"] == 3  # lossless sampling, one seed per prompt
+    assert set(report["systems"]) == {"autoregressive", "4 nodes, grouped heads", "4 nodes, repeat_kv"}
+    assert report["systems"]["4 nodes, repeat_kv"]["tokens_per_forward"] > 1.0
+    assert grouped_heads.SWITCH not in os.environ
+    monkeypatch.setenv(grouped_heads.SWITCH, "1")
+    result = CliRunner().invoke(grouped_heads.main, ["--store", str(sample_store), "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "unset TRANSFORMERS_SDPA_FORCE_GQA" in result.output

@@ -149,29 +149,34 @@ def test_tree_forward_hands_grouped_heads_to_sdpa_uncopied(monkeypatch):
     model = tiny_model("qwen2", "sdpa", VOCAB, seed=3)
     switch = []
     model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: switch.append(os.environ.get(SWITCH)))
-    session = SpeculativeSession(model, None, ExactGreedy(), speech=SpeechVocab(0, VOCAB), max_new_tokens=4)
-    session.prefill(input_ids=torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1)))
+    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
     tree = CandidateTree.from_sequences([[1, 2, 3], [4, 5], [1, 6]])
-    grouped = session.verify(tree).logits
+
+    def tree_logits():
+        session = SpeculativeSession(model, None, ExactGreedy(), speech=SpeechVocab(0, VOCAB), max_new_tokens=4)
+        session.prefill(input_ids=ids)
+        return session.verify(tree).logits
+
+    grouped = tree_logits()
     assert not copies and switch == [None, "1"] and SWITCH not in os.environ
-    session.cache.crop(-(len(tree) + 1))
-    session._copies_grouped_heads = False  # transformers' own way: each layer copies its keys and values
-    copied = session.verify(tree).logits
-    assert len(copies) == 2 * 2 and switch[-1] is None
+    monkeypatch.setenv(SWITCH, "0")  # a process that set the switch keeps transformers' way: every layer copies
+    copied = tree_logits()
+    assert len(copies) == 2 * 2 and switch[2:] == ["0", "0"]
     torch.testing.assert_close(grouped, copied, rtol=0, atol=1e-6)
 
 
-def test_grouped_head_switch_is_only_for_cpu_sdpa_with_grouped_heads_and_restores(monkeypatch):
+def test_grouped_head_switch_is_for_cpu_sdpa_with_grouped_heads_and_nests(monkeypatch):
     from echospec.decoder.gqa import SWITCH, copies_grouped_heads, grouped_query_attention
 
+    monkeypatch.delenv(SWITCH, raising=False)
     assert copies_grouped_heads(tiny_model("llama", "sdpa", VOCAB))
     assert not copies_grouped_heads(tiny_model("llama", "eager", VOCAB))  # eager attention always copies
     ungrouped = tiny_model("llama", "sdpa", VOCAB)
     ungrouped.config.num_key_value_heads = ungrouped.config.num_attention_heads
     assert not copies_grouped_heads(ungrouped)
-    monkeypatch.setenv(SWITCH, "0")  # a user's own setting comes back after the last of nested forwards
-    with grouped_query_attention():
+    with grouped_query_attention():  # sessions on two threads: set until the last forward ends
+        assert copies_grouped_heads(tiny_model("llama", "sdpa", VOCAB))  # our own setting is not the user's
         with grouped_query_attention():
             assert os.environ[SWITCH] == "1"
         assert os.environ[SWITCH] == "1"
-    assert os.environ[SWITCH] == "0"
+    assert SWITCH not in os.environ

@@ -23,8 +23,10 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
 
 def test_cost_curves_command(tmp_path):
     result = CliRunner().invoke(cost_curves.main, ["--shapes", "tiny", "--dtypes", "float32,bfloat16", "--threads",
-                                                   "1", "--repeats", "2", "--context", "40", "--out", str(tmp_path)])
+                                                   "1", "--repeats", "2", "--context", "40", "--variants", "repeat-kv",
+                                                   "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     rows = json.loads((tmp_path / "cost_curves.json").read_text())
-    assert [(r["dtype"], r["threads"]) for r in rows] == [("float32", 1), ("bfloat16", 1)]
+    assert [(r["dtype"], r["variant"]) for r in rows] == [("float32", "plain"), ("float32", "repeat-kv"),
+                                                         ("bfloat16", "plain"), ("bfloat16", "repeat-kv")]
     assert all(r["relative"][0] == 1.0 and r["one_step_ms"] > 0 for r in rows)
