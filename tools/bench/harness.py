@@ -9,6 +9,7 @@
 - The relaxed policies' settings scale the retrieval paper's (τ = 512 of 6561) to the vocabulary:
   `RelaxedSettings`, `make_policy`.
 - `measure_cost_curve`: the model's forward time against tree size on this machine.
+- `copying_grouped_heads`: sessions made within run tree forwards as transformers does by default (`decoder.gqa`).
 - `pin_threads` pins a run's thread pools (and its child processes'); `save_figure` writes a plot atomically.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -189,18 +191,33 @@ def make_policy(name: str, seed: int, relaxed: RelaxedSettings, sampler=None):
 
 
 def measure_cost_curve(model, speech, input_ids: list[int] | None, sizes=None, repeats: int = 5, *,
-                       inputs_embeds=None, copy_grouped_heads: bool = False, **session_options):
+                       inputs_embeds=None, **session_options):
     """This machine's forward time against tree size for `model` after the prompt (`input_ids` or
     `inputs_embeds`), relative to a one-token step (a CostCurve); sizes default to the decoder's CURVE_SIZES.
-    `copy_grouped_heads`: tree forwards as transformers runs them by default (see `decoder.gqa`).
     `session_options` (head, speech_embedding) go to the SpeculativeSession."""
     from ...decoder import ExactGreedy, SpeculativeSession
     from ...decoder.cost import CURVE_SIZES
 
     session = SpeculativeSession(model, None, ExactGreedy(), speech=speech, max_new_tokens=1, **session_options)
-    session._copies_grouped_heads &= not copy_grouped_heads
     session.prefill(input_ids=input_ids, inputs_embeds=inputs_embeds)
     return session.measure_cost_curve(CURVE_SIZES if sizes is None else sizes, repeats=repeats)
+
+
+@contextmanager
+def copying_grouped_heads():
+    """Sessions made within leave tree forwards to transformers' default, which copies the KV cache per query
+    head (TRANSFORMERS_SDPA_FORCE_GQA=0; see `decoder.gqa`): what echospec's way is measured against."""
+    from ...decoder.gqa import SWITCH
+
+    before = os.environ.get(SWITCH)
+    os.environ[SWITCH] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SWITCH, None)
+        else:
+            os.environ[SWITCH] = before
 
 
 def pin_threads(threads: int) -> None:

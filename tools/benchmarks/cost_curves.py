@@ -8,12 +8,13 @@ tokens in the cache; `SpeculativeSession.measure_cost_curve` (all sizes timed ro
 relative to its own one-token step, median over rounds). `--variants` adds `mkldnn` (every nn.Linear's
 weight prepacked for oneDNN: `echospec.decoder.prepack`), `repeat-kv` (tree forwards as transformers runs them
 by default, the KV cache copied per query head: what `echospec.decoder.gqa` saves) and, for float32, `compile`
-(torch.compile of the model's forward, dynamic shapes). Prints one line per curve — the one-token step in ms, then each tree
-size's forward time relative to it — and writes cost_curves.json and cost_curves.png under --out.
+(torch.compile of the model's forward, dynamic shapes). Prints one line per curve — the one-token step in ms,
+then each tree size's forward time relative to it — and writes cost_curves.json and cost_curves.png under --out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import click
 
 from ...datastore.files import atomic_file
-from ..bench.harness import DTYPES, measure_cost_curve, pyplot, save_figure
+from ..bench.harness import DTYPES, copying_grouped_heads, measure_cost_curve, pyplot, save_figure
 from ..cli.options import out_option
 
 SHAPES = {
@@ -57,7 +58,7 @@ def shape_model(shape: str, dtype, device="cpu"):
     return model.to(dtype=dtype).eval()
 
 
-def cost_curve(model, context: int = 250, sizes=SIZES, repeats: int = 5, copy_grouped_heads: bool = False):
+def cost_curve(model, context: int = 250, sizes=SIZES, repeats: int = 5):
     """The model's verify-cost curve (a CostCurve) with `context` random tokens cached."""
     import torch
 
@@ -65,8 +66,7 @@ def cost_curve(model, context: int = 250, sizes=SIZES, repeats: int = 5, copy_gr
 
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
-    return measure_cost_curve(model, SpeechVocab(0, vocab), ids[0].tolist(), sizes, repeats=repeats,
-                              copy_grouped_heads=copy_grouped_heads)
+    return measure_cost_curve(model, SpeechVocab(0, vocab), ids[0].tolist(), sizes, repeats=repeats)
 
 
 def prepacked(model):
@@ -91,7 +91,8 @@ def run(shapes, dtypes, threads, variants, context: int, repeats: int, device: s
                 for n in threads:
                     torch.set_num_threads(n)  # the forward's pool only (pin_threads would set the environment)
                     start = time.perf_counter()
-                    curve = cost_curve(model, context, repeats=repeats, copy_grouped_heads=variant == "repeat-kv")
+                    with copying_grouped_heads() if variant == "repeat-kv" else contextlib.nullcontext():
+                        curve = cost_curve(model, context, repeats=repeats)
                     row = {"shape": shape, "dtype": dtype, "variant": variant, "threads": n, "context": context,
                            "device": device, "one_step_ms": 1e3 * curve.seconds[0], "sizes": curve.sizes,
                            "relative": curve.relative(), "seconds_to_measure": time.perf_counter() - start}
@@ -141,7 +142,8 @@ def _names(text: str, allowed=None) -> list[str]:
 def main(shapes, dtypes, threads, variants, context, repeats, device, out_dir) -> None:
     """Verify-cost curves on realistic shapes, by dtype, thread count and CPU trick."""
     rows = run(_names(shapes, ("sample", *SHAPES)), _names(dtypes, DTYPES), [int(t) for t in _names(threads)],
-               _names(variants, ("mkldnn", "repeat-kv", "compile")) if variants else [], context, repeats, device, click.echo)
+               _names(variants, ("mkldnn", "repeat-kv", "compile")) if variants else [], context, repeats, device,
+               click.echo)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with atomic_file(out / "cost_curves.json") as f:

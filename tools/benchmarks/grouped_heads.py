@@ -22,20 +22,18 @@ import numpy as np
 
 from ...datastore.files import atomic_file
 from ...decoder.gqa import SWITCH
-from ..bench.harness import POLICIES, RelaxedSettings, System, balanced_order, echospec_run, make_policy, warm_up
+from ..bench.harness import (POLICIES, RelaxedSettings, System, balanced_order, copying_grouped_heads, echospec_run,
+                             make_policy, warm_up)
 from ..bench.quality import median_ratio_ci, ratio_of_medians_ci
 from ..cli.options import limit_option, out_option, threads_option
 from ..corpus import SAMPLE_MODEL_DIR, SAMPLE_PROMPTS
 
 
 def copying_kv(run):
-    """`run` with transformers' switch set to 0: its sessions leave tree forwards to copy the KV cache."""
+    """`run`, its sessions leaving tree forwards to copy the KV cache per query head."""
     def copied(prompt, seed):
-        os.environ[SWITCH] = "0"
-        try:
+        with copying_grouped_heads():
             return run(prompt, seed)
-        finally:
-            os.environ.pop(SWITCH, None)
     return copied
 
 
