@@ -267,7 +267,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
             rows[system.name].append({
                 "prompt": prompt.id, "round": round_, "tokens": run.tokens, "new_tokens": len(run.tokens),
                 "forwards": run.forwards,
-                "seconds": run.seconds, "time_per_token": run.seconds / max(len(run.tokens), 1),
+                "seconds": run.seconds, "time_per_token": run.time_per_token,
                 # the prefill, then each step's forward in one-token-step units of this machine's curve
                 "forward_cost": (None if run.tree_sizes is None
                                  else 1 + float(np.sum(curve.time(run.tree_sizes))) / curve.seconds[0]),

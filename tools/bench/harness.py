@@ -70,6 +70,10 @@ class Run:
     budget: dict | None = None  # max_nodes="auto": each cap's measured rate at the end of the utterance
     caps: list[int] | None = None  # max_nodes="auto": the cap each step ran
 
+    @property
+    def time_per_token(self) -> float:
+        return self.seconds / max(len(self.tokens), 1)
+
 
 @dataclass
 class System:

@@ -67,7 +67,7 @@ def compare(store, nodes: int = 8, policy: str = "exact-sampling", limit: int | 
     for i, prompt in enumerate(p for _ in range(rounds) for p in prompts):
         for system in balanced_order(systems, i):
             runs[system.name].append(system.run(prompt, seed + i))
-    tpt = {name: [r.seconds / max(len(r.tokens), 1) for r in rs] for name, rs in runs.items()}
+    tpt = {name: [r.time_per_token for r in rs] for name, rs in runs.items()}
     base = tpt["autoregressive"]
     grouped, copied = (s.name for s in systems[1:])
     return {
