@@ -5,11 +5,17 @@ on a CPU it jumps at N = 1 (a 2-row matrix multiply costs about twice a 1-row on
 slowly, and a step also pays for the retriever's call, the mask, the policy's walk over the tree and
 the cache compaction, which no forward-time curve shows. A session's budget has three calls:
 `nodes()` (this step's cap, and how many nodes to ask the retriever for; 0: do not ask it),
-`proposed(tree, order, position)` (what the retriever gave, where `probes` is set) and
-`observe(tokens, seconds, context, finished)` (what the whole step emitted and took). `FixedBudget` keeps the N most probable nodes of every tree.
-`AutoBudget` (max_nodes="auto", the default) measures instead of predicting: `ArmRates` runs the
-caps in ARMS in blocks of steps, keeps each one's tokens per second of wall-clock and how sure that
-is, and runs the fastest, trying the others as often as they might be faster.
+`proposed(tree, order, position)` (what the retriever gave, where `wants_proposals` is set) and
+`observe(tokens, seconds, context, finished)` (what the whole step emitted and took). `FixedBudget`
+keeps the N most probable nodes of every tree. `AutoBudget` (max_nodes="auto", the default) measures
+instead of predicting: `ArmRates` runs the caps in ARMS in blocks of steps, keeps each one's tokens
+per second of wall-clock and how sure that is, and runs the fastest, trying the others as often as
+they might be faster.
+
+Under a lossless policy what is emitted does not depend on the tree, so one proposal tells what every
+smaller cap would have accepted once the tokens after it are known (`Probes`): there a tree cap's tokens
+per step are counted at every tree step, on the same positions for every cap, and only its seconds per
+step need its own blocks.
 """
 
 from __future__ import annotations
@@ -49,9 +55,6 @@ CLOSE = 0.8  # a cap within 20% of the fastest one's weighed rate is close to it
 MARGIN = 0.04  # a tree cap must look 4% faster than plain steps: plain steps cost nothing to get wrong (the
 # retriever is not asked), and within 5% of the fastest cap is close enough
 STAY = 0.02  # the cap that ran last is drawn 2% higher: a switch costs a warm-up block's slowdown
-PROBE = 4  # lossless policies: every PROBE-th plain block asks the retriever once, unverified, for what the
-# tree caps would accept meanwhile (~50 us every 32 steps: 0.1% of the sample's plain steps); every block's
-# last step asks one cap larger than the fastest tree cap, so the cap above it is counted before it runs
 MIN_PROBES = 8  # counted positions a cap's tokens per step need before they replace its blocks' tokens
 OUTLIER = 4.0  # a step over 4x its block's median step counts as 4x: a GC pause, a preempted process, or a new
 # shape's first forwards on a GPU (three of those once priced a whole cap at 48 ms a step)
@@ -126,7 +129,7 @@ def matched_ranks(tokens, parents, rank, sequence):
 class FixedBudget:
     """Verify the `cap` most probable nodes of every tree."""
 
-    probes = False  # whether `proposed` wants every proposal
+    wants_proposals = False  # whether `proposed` is to be called with every proposal
 
     def __init__(self, cap: int):
         self.cap = cap
@@ -158,8 +161,8 @@ class ArmRates:
     that standard error, is highest (Thompson sampling). The plain step's rate counts MARGIN higher, in
     choosing the fastest and in the draw, and the cap that ran last STAY higher in the draw. The first cap
     is measured again once the caps next to it have been: its first blocks ran in a cold process.
-    With `counterfactual` (a lossless policy) a tree cap's tokens per step come from `record_accepted`,
-    what it would have accepted at every position a proposal was counted (`ask` says when to probe).
+    With `counterfactual` (a lossless policy) a tree cap's tokens per step come from `record_accepted`:
+    what it would have accepted wherever a tree step ran (`ask` says when to ask for more nodes).
 
     So caps are compared over the same stretch of utterances and load, a clearly slower cap is seldom
     run again, and near-equal ones share the blocks in long runs. Rate against tree cap rises to one peak
@@ -174,7 +177,7 @@ class ArmRates:
     def __init__(self, arms=ARMS, first: int = FIRST_ARM, seed: int = 0, counterfactual: bool = False):
         self.arms = tuple(arms)
         self.counterfactual = counterfactual  # a lossless policy's: tokens per step from `record_accepted`
-        self._accepted = [[0.0] * 3 for _ in self.arms]  # per cap, discounted: positions, tokens, tokens²
+        self._accepted = [[0.0] * 6 for _ in self.arms]  # per cap, discounted, as `_sums`: positions, e, e / x
         # per cap, discounted sums over its counted blocks (t tokens, s seconds): weight, t, s, t², ts, s².
         # Plain Python floats: a block's bookkeeping in NumPy cost ~200 us here, 1% of a small model's time
         self._sums = [[0.0] * 6 for _ in self.arms]
@@ -199,24 +202,36 @@ class ArmRates:
 
     def ask(self) -> int:
         """How many nodes the next step asks the retriever for: its cap, or under a lossless policy, on the
-        last step of every tree block and of every PROBE-th plain block, one cap more than the fastest tree
-        cap (a plain step then verifies none of them)."""
+        last step of a tree block, one cap more than the fastest tree cap (so that the cap above it is counted
+        before it runs). A plain step asks nothing: from where plain steps land, every position, no weighing
+        reads trees right (the sample's greedy trees read 16-35% high as a plain mean, 12-13% low as the
+        harmonic one of `record_accepted`), since a tree step jumps over what it accepts."""
         cap = self.arms[self._arm]
-        if not self.counterfactual or len(self._seconds) != BLOCK - 1 or (cap == 0 and self.blocks[0] % PROBE):
+        if not self.counterfactual or cap == 0 or len(self._seconds) != BLOCK - 1:
             return cap
         return max(cap, self.arms[min(self._best_tree + 1, len(self.arms) - 1)])
 
-    def record_accepted(self, asked: int, nodes: int, ranks) -> None:
-        """Under a lossless policy, a proposal asked for `asked` nodes held `nodes`, and the path the target's
-        tokens took through it has these ranks in `prune_order`: each cap up to `asked` would have emitted
-        there its nodes of the path and the bonus token (all of the path where the cap keeps every node)."""
+    def record_accepted(self, asked: int, verified: int, nodes: int, ranks) -> None:
+        """Under a lossless policy, a step that verified `verified` nodes asked for `asked` and was given
+        `nodes`; the path the target's tokens took through them has these ranks in `prune_order`. Each cap up
+        to `asked` would have emitted there its nodes of the path and the bonus token (the whole path where
+        it keeps every node).
+
+        A cap's tokens per step is what its own steps emit on average, and its steps fall where it lands:
+        sparser where it accepts much. So each position counts for the tokens its own step emitted (e), and a
+        cap's tokens per step is the sum of e over the sum of e / x (x: what the cap would have emitted
+        there): the harmonic mean over tokens, exact for the cap that ran, and for the others exact where
+        acceptance holds over a step's span, low where it does not. On the sample, read where one of 4-32
+        nodes ran, for another of them: greedy 0.5-2.5% low (the plain mean: 4% low to 8% high), lossless
+        sampling 2-5% low (the plain mean: within 1%); low favours the cap running, as STAY does."""
         ranks = ranks.tolist()
         with self._lock:
+            emitted = float(_emits(verified, nodes, ranks))
             for i, cap in enumerate(self.arms):
                 if 0 < cap <= asked:
-                    x = 1.0 + (len(ranks) if nodes <= cap else sum(r < cap for r in ranks))
+                    y = emitted / _emits(cap, nodes, ranks)
                     sums = self._accepted[i]
-                    sums[:] = [sums[0] + 1.0, sums[1] + x, sums[2] + x * x]
+                    sums[:] = [a + b for a, b in zip(sums, (1.0, emitted, y, emitted * emitted, emitted * y, y * y))]
 
     def record(self, arm: int, tokens: int, seconds: float) -> None:
         """A step under cap `arms[arm]` emitted `tokens` tokens in `seconds`; the block ends after BLOCK."""
@@ -311,19 +326,14 @@ class ArmRates:
         if per_step:
             k = BLOCK * per_step
             t, tt, ts = k * w, k * k * w, k * s
-        rate = t / s
-        spread = max((tt - 2 * rate * ts + rate * rate * ss) / w, (BLOCK_CV * t / w) ** 2)
-        error = math.hypot(math.sqrt(spread / w) / (s / w), rate * error / per_step if per_step else 0.0)
-        return rate, error
+        rate, rate_error = _ratio(w, t, s, tt, ts, ss, BLOCK_CV)
+        return rate, math.hypot(rate_error, rate * error / per_step if per_step else 0.0)
 
     def _tokens_per_step(self, arm: int) -> tuple[float, float]:
         """A tree cap's tokens per step over the counted positions and their standard error (lossless
         policies); (0, 0) before MIN_PROBES."""
-        n, x, xx = self._accepted[arm]
-        if n < MIN_PROBES:
-            return 0.0, 0.0
-        mean = x / n
-        return mean, math.sqrt(max(xx / n - mean * mean, 0.0) / n)
+        sums = self._accepted[arm]
+        return _ratio(*sums, 0.0) if sums[0] >= MIN_PROBES else (0.0, 0.0)
 
     def summary(self) -> dict:
         """Each cap's rate, standard error and steps run (for reports), and the fastest."""
@@ -337,25 +347,38 @@ class ArmRates:
                 "fastest": self.arms[self._best]}
 
 
+def _ratio(w, t, s, tt, ts, ss, floor: float) -> tuple[float, float]:
+    """The ratio t / s of discounted sums over items (weight w; sums of t, s, t², ts, s²) and its standard
+    error, from the items' spread (at least `floor` times the mean t)."""
+    rate = t / s
+    spread = max((tt - 2 * rate * ts + rate * rate * ss) / w, (floor * t / w) ** 2)
+    return rate, math.sqrt(spread / w) / (s / w)
+
+
+def _emits(cap: int, nodes: int, ranks: list) -> int:
+    """Tokens a step keeping `cap` of `nodes` proposed nodes emits where the target's path has `ranks`."""
+    return 1 + (len(ranks) if nodes <= cap else sum(r < cap for r in ranks))
+
+
 class AutoBudget:
     """max_nodes="auto": each step runs the cap `ArmRates` chooses and reports what it emitted and took.
 
     The rates are shared per (model, retriever, policy kind, speaker's store or the general store): their
     acceptance differs, so their best caps do. A retriever that cannot be weakly referenced keeps
-    its rates per session. Under a lossless policy (`Policy.exact`) every proposal is also a `Probes`
-    entry, counted once the tokens after it are emitted."""
+    its rates per session. Under a lossless policy (`exact`: the policy's `Policy.exact`) every proposal
+    is also a `Probes` entry, counted once the tokens after it are emitted."""
 
-    def __init__(self, model, retriever, policy_kind: type, speaker):
-        key = (policy_kind, speaker is not None)
+    def __init__(self, model, retriever, policy_kind: type, speaker, exact: bool = False):
+        key = (policy_kind, speaker is not None, exact)
         try:
             shared = _RATES.setdefault(model, weakref.WeakKeyDictionary()).setdefault(retriever, {})
         except TypeError:
             shared = {}
         if key not in shared:
-            shared[key] = ArmRates(counterfactual=bool(getattr(policy_kind, "exact", False)))
+            shared[key] = ArmRates(counterfactual=exact)
         self.rates = shared[key]
         self._probes = Probes(self.rates) if self.rates.counterfactual else None
-        self.probes = self._probes is not None
+        self.wants_proposals = self._probes is not None
         self._arm: int | None = None
         self._asked = 0
 
@@ -369,7 +392,7 @@ class AutoBudget:
         """The retriever's tree (cut to what the step can use), its `prune_order`, and where in the context
         it continues."""
         if self._probes is not None:
-            self._probes.add(tree, order, position, self._asked)
+            self._probes.add(tree, order, position, self._asked, self.rates.arms[self._arm])
 
     def observe(self, tokens: int, seconds: float, context=(), finished: bool = False) -> None:
         """The step emitted `tokens` in `seconds`; `context` is the retriever's context after it."""
@@ -389,28 +412,30 @@ class Probes:
 
     def __init__(self, rates: ArmRates):
         self.rates = rates
-        self._waiting: list[tuple] = []  # (end, position, tokens, parents, rank, asked)
+        self._waiting: list[tuple] = []  # (end, position, tokens, parents, rank, asked, verified)
 
-    def add(self, tree: CandidateTree, order: np.ndarray, position: int, asked: int) -> None:
+    def add(self, tree: CandidateTree, order: np.ndarray, position: int, asked: int, verified: int) -> None:
+        """A proposal of `asked` nodes continuing the context at `position`, of which the step verified
+        `verified` (the first in `order`)."""
         if not len(tree):  # nothing proposed: every cap emits the one token a plain step does
-            self.rates.record_accepted(asked, 0, np.zeros(0, np.int64))
+            self.rates.record_accepted(asked, verified, 0, np.zeros(0, np.int64))
             return
         rank = np.full(len(tree), len(tree), np.int64)  # a node `order` drops ranks after every cap
         rank[order] = np.arange(len(order))
         end = position + int(tree.depths.max())
-        self._waiting.append((end, position, tree.tokens, tree.parents, rank, asked))
+        self._waiting.append((end, position, tree.tokens, tree.parents, rank, asked, verified))
 
     def resolve(self, context, finished: bool) -> None:
         waiting = []
         for probe in self._waiting:
-            end, position, tokens, parents, rank, asked = probe
+            end, position, tokens, parents, rank, asked, verified = probe
             if finished or len(context) >= end:
                 ranks = matched_ranks(tokens, parents, rank, np.asarray(context[position:end], np.int64))
-                self.rates.record_accepted(asked, len(tokens), ranks)
+                self.rates.record_accepted(asked, verified, len(tokens), ranks)
             else:
                 waiting.append(probe)
         self._waiting = waiting
 
 
 _RATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""model -> retriever -> {(policy class, speaker's store?): ArmRates}"""
+"""model -> retriever -> {(policy class, speaker's store?, lossless?): ArmRates}"""

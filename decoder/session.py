@@ -150,7 +150,7 @@ class SpeculativeSession:
         self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
         self.max_nodes, self.max_depth, self.retriever_timeout = max_nodes, max_depth, retriever_timeout
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 62
-        self.budget = (AutoBudget(model, retriever, type(self.policy), speaker)
+        self.budget = (AutoBudget(model, retriever, type(self.policy), speaker, bool(self.policy.exact))
                        if max_nodes == "auto" and retriever is not None else FixedBudget(node_cap(max_nodes)))
         self.stats = GenerationStats(token_rate=token_rate)
         table = self._output_table()
@@ -294,7 +294,7 @@ class SpeculativeSession:
         """Ask the retriever for a tree and cut it to what this step can use and its budget allows (may be empty)."""
         if self.retriever is None or self.finished:
             return CandidateTree.empty()
-        cap, asked = self.budget.nodes()  # more asked than verified: a probe of what larger caps would accept
+        cap, asked = self.budget.nodes()  # asked for more than it verifies: to count what larger caps accept
         self.stats.node_caps.append(cap)
         depth_cap = min(self.max_depth, self.max_new_tokens - len(self.generated),
                         self.max_positions - 1 - self.cached)
@@ -318,7 +318,7 @@ class SpeculativeSession:
             raise DecoderInputError(f"the retriever returned {type(tree).__name__}, not a CandidateTree")
         self.speech.to_model(tree.tokens)  # raises on ids outside the store's vocabulary
         tree = self._usable(tree, depth_cap)
-        if len(tree) <= cap and not self.budget.probes:
+        if len(tree) <= cap and not self.budget.wants_proposals:
             return tree
         order = prune_order(tree)
         self.budget.proposed(tree, order, len(self.context))
