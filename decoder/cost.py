@@ -3,19 +3,12 @@
 Verifying N nodes costs one forward over 1 + N tokens. On a GPU that is nearly the price of one token;
 on a CPU it jumps at N = 1 (a 2-row matrix multiply costs about twice a 1-row one) and then grows
 slowly, and a step also pays for the retriever's call, the mask, the policy's walk over the tree and
-the cache compaction, which no forward-time curve shows. A session's budget has three calls:
-`nodes()` (this step's cap, and how many nodes to ask the retriever for; 0: do not ask it),
-`proposed(tree, order, position)` (what the retriever gave, where `wants_proposals` is set) and
-`observe(tokens, seconds, context, finished)` (what the whole step emitted and took). `FixedBudget`
-keeps the N most probable nodes of every tree. `AutoBudget` (max_nodes="auto", the default) measures
-instead of predicting: `ArmRates` runs the caps in ARMS in blocks of steps, keeps each one's tokens
-per second of wall-clock and how sure that is, and runs the fastest, trying the others as often as
-they might be faster.
-
-Under a lossless policy what is emitted does not depend on the tree, so one proposal tells what every
-smaller cap would have accepted once the tokens after it are known (`Probes`): there a tree cap's tokens
-per step are counted at every tree step, on the same positions for every cap, and only its seconds per
-step need its own blocks.
+the cache compaction, which no forward-time curve shows. A session's budget has two calls:
+`nodes()` (this step's cap; 0: do not ask the retriever) and `observe(tokens, seconds)` (what the
+whole step emitted and took). `FixedBudget` keeps the N most probable nodes of every tree.
+`AutoBudget` (max_nodes="auto", the default) measures instead of predicting: `ArmRates` runs the
+caps in ARMS in blocks of steps, keeps each one's tokens per second of wall-clock and how sure that
+is, and runs the fastest, trying the others as often as they might be faster.
 """
 
 from __future__ import annotations
@@ -55,7 +48,6 @@ CLOSE = 0.8  # a cap within 20% of the fastest one's weighed rate is close to it
 MARGIN = 0.04  # a tree cap must look 4% faster than plain steps: plain steps cost nothing to get wrong (the
 # retriever is not asked), and within 5% of the fastest cap is close enough
 STAY = 0.02  # the cap that ran last is drawn 2% higher: a switch costs a warm-up block's slowdown
-MIN_PROBES = 8  # counted positions a cap's tokens per step need before they replace its blocks' tokens
 OUTLIER = 4.0  # a step over 4x its block's median step counts as 4x: a GC pause, a preempted process, or a new
 # shape's first forwards on a GPU (three of those once priced a whole cap at 48 ms a step)
 
@@ -107,40 +99,16 @@ def _prune_order(probs, depths, parents):
     return kept[:n]
 
 
-@njit(cache=True, nogil=True)
-def matched_ranks(tokens, parents, rank, sequence):
-    """The ranks (`rank[node]`) of the nodes on the root path of the tree (`tokens`, `parents`) that spells
-    a prefix of `sequence`: the path an exact verifier accepts if `sequence` is what the target says next."""
-    ranks = np.empty(sequence.shape[0], np.int64)
-    node, n = -1, 0
-    for token in sequence:
-        hit = -1
-        for i in range(tokens.shape[0]):
-            if parents[i] == node and tokens[i] == token:
-                hit = i
-                break
-        if hit < 0:
-            break
-        ranks[n] = rank[hit]
-        node, n = hit, n + 1
-    return ranks[:n]
-
-
 class FixedBudget:
     """Verify the `cap` most probable nodes of every tree."""
-
-    wants_proposals = False  # whether `proposed` is to be called with every proposal
 
     def __init__(self, cap: int):
         self.cap = cap
 
-    def nodes(self) -> tuple[int, int]:
-        return self.cap, self.cap
+    def nodes(self) -> int:
+        return self.cap
 
-    def proposed(self, tree: CandidateTree, order: np.ndarray, position: int) -> None:
-        pass
-
-    def observe(self, tokens: int, seconds: float, context=(), finished: bool = False) -> None:
+    def observe(self, tokens: int, seconds: float) -> None:
         pass
 
     def summary(self) -> None:
@@ -161,8 +129,6 @@ class ArmRates:
     that standard error, is highest (Thompson sampling). The plain step's rate counts MARGIN higher, in
     choosing the fastest and in the draw, and the cap that ran last STAY higher in the draw. The first cap
     is measured again once the caps next to it have been: its first blocks ran in a cold process.
-    With `counterfactual` (a lossless policy) a tree cap's tokens per step come from `record_accepted`:
-    what it would have accepted wherever a tree step ran (`ask` says when to ask for more nodes).
 
     So caps are compared over the same stretch of utterances and load, a clearly slower cap is seldom
     run again, and near-equal ones share the blocks in long runs. Rate against tree cap rises to one peak
@@ -174,10 +140,8 @@ class ArmRates:
     utterance measured the next one uses.
     """
 
-    def __init__(self, arms=ARMS, first: int = FIRST_ARM, seed: int = 0, counterfactual: bool = False):
+    def __init__(self, arms=ARMS, first: int = FIRST_ARM, seed: int = 0):
         self.arms = tuple(arms)
-        self.counterfactual = counterfactual  # a lossless policy's: tokens per step from `record_accepted`
-        self._accepted = [[0.0] * 6 for _ in self.arms]  # per cap, discounted, as `_sums`: positions, e, e / x
         # per cap, discounted sums over its counted blocks (t tokens, s seconds): weight, t, s, t², ts, s².
         # Plain Python floats: a block's bookkeeping in NumPy cost ~200 us here, 1% of a small model's time
         self._sums = [[0.0] * 6 for _ in self.arms]
@@ -199,39 +163,6 @@ class ArmRates:
     def choose(self) -> int:
         """The index (into `arms`) of the cap the next step runs."""
         return self._arm
-
-    def ask(self) -> int:
-        """How many nodes the next step asks the retriever for: its cap, or under a lossless policy, on the
-        last step of a tree block, one cap more than the fastest tree cap (so that the cap above it is counted
-        before it runs). A plain step asks nothing: from where plain steps land, every position, no weighing
-        reads trees right (the sample's greedy trees read 16-35% high as a plain mean, 12-13% low as the
-        harmonic one of `record_accepted`), since a tree step jumps over what it accepts."""
-        cap = self.arms[self._arm]
-        if not self.counterfactual or cap == 0 or len(self._seconds) != BLOCK - 1:
-            return cap
-        return max(cap, self.arms[min(self._best_tree + 1, len(self.arms) - 1)])
-
-    def record_accepted(self, asked: int, verified: int, nodes: int, ranks) -> None:
-        """Under a lossless policy, a step that verified `verified` nodes asked for `asked` and was given
-        `nodes`; the path the target's tokens took through them has these ranks in `prune_order`. Each cap up
-        to `asked` would have emitted there its nodes of the path and the bonus token (the whole path where
-        it keeps every node).
-
-        A cap's tokens per step is what its own steps emit on average, and its steps fall where it lands:
-        sparser where it accepts much. So each position counts for the tokens its own step emitted (e), and a
-        cap's tokens per step is the sum of e over the sum of e / x (x: what the cap would have emitted
-        there): the harmonic mean over tokens, exact for the cap that ran, and for the others exact where
-        acceptance holds over a step's span, low where it does not. On the sample, read where one of 4-32
-        nodes ran, for another of them: greedy 0.5-2.5% low (the plain mean: 4% low to 8% high), lossless
-        sampling 2-5% low (the plain mean: within 1%); low favours the cap running, as STAY does."""
-        ranks = ranks.tolist()
-        with self._lock:
-            emitted = float(_emits(verified, nodes, ranks))
-            for i, cap in enumerate(self.arms):
-                if 0 < cap <= asked:
-                    y = emitted / _emits(cap, nodes, ranks)
-                    sums = self._accepted[i]
-                    sums[:] = [a + b for a, b in zip(sums, (1.0, emitted, y, emitted * emitted, emitted * y, y * y))]
 
     def record(self, arm: int, tokens: int, seconds: float) -> None:
         """A step under cap `arms[arm]` emitted `tokens` tokens in `seconds`; the block ends after BLOCK."""
@@ -278,7 +209,7 @@ class ArmRates:
         return False
 
     def _add(self, arm: int, t: float, s: float) -> None:
-        for sums in self._sums + self._accepted:
+        for sums in self._sums:
             sums[:] = [x * DECAY for x in sums]
         self._sums[arm] = [a + b for a, b in zip(self._sums[arm], (1.0, t, s, t * t, t * s, s * s))]
 
@@ -314,50 +245,22 @@ class ArmRates:
         return 1.0 + MARGIN if self.arms[arm] == 0 else 1.0
 
     def _estimate(self, arm: int) -> tuple[float, float]:
-        """Cap `arms[arm]`'s rate and its standard error (the ratio estimator's, from its blocks' spread).
-
-        Under a lossless policy, once MIN_PROBES positions are counted, a tree block's tokens are its steps
-        times the cap's tokens per step at every counted position: the same positions for every cap, not
-        the stretch of utterances its own blocks met (a cap left after a hard stretch read slow for long)."""
+        """Cap `arms[arm]`'s rate and its standard error (the ratio estimator's, from its blocks' spread)."""
         w, t, s, tt, ts, ss = self._sums[arm]
         if w <= 0.0 or s <= 0.0:
             return 0.0, 0.0
-        per_step, error = self._tokens_per_step(arm)
-        if per_step:
-            k = BLOCK * per_step
-            t, tt, ts = k * w, k * k * w, k * s
-        rate, rate_error = _ratio(w, t, s, tt, ts, ss, BLOCK_CV)
-        return rate, math.hypot(rate_error, rate * error / per_step if per_step else 0.0)
-
-    def _tokens_per_step(self, arm: int) -> tuple[float, float]:
-        """A tree cap's tokens per step over the counted positions and their standard error (lossless
-        policies); (0, 0) before MIN_PROBES."""
-        sums = self._accepted[arm]
-        return _ratio(*sums, 0.0) if sums[0] >= MIN_PROBES else (0.0, 0.0)
+        rate = t / s
+        spread = max((tt - 2 * rate * ts + rate * rate * ss) / w, (BLOCK_CV * t / w) ** 2)
+        return rate, math.sqrt(spread / w) / (s / w)
 
     def summary(self) -> dict:
         """Each cap's rate, standard error and steps run (for reports), and the fastest."""
         tried = [n >= TRIES for n in self._counted]
         estimates = [self._estimate(i) if ok else (None, None) for i, ok in enumerate(tried)]
-        per_step = [self._tokens_per_step(i)[0] or None for i in range(len(self.arms))]
         return {"rates": {str(cap): estimates[i][0] for i, cap in enumerate(self.arms)},
                 "errors": {str(cap): estimates[i][1] for i, cap in enumerate(self.arms)},
-                "tokens_per_step": {str(cap): per_step[i] for i, cap in enumerate(self.arms) if cap},
                 "steps": {str(cap): BLOCK * self.blocks[i] for i, cap in enumerate(self.arms)},
                 "fastest": self.arms[self._best]}
-
-
-def _ratio(w, t, s, tt, ts, ss, floor: float) -> tuple[float, float]:
-    """The ratio t / s of discounted sums over items (weight w; sums of t, s, t², ts, s²) and its standard
-    error, from the items' spread (at least `floor` times the mean t)."""
-    rate = t / s
-    spread = max((tt - 2 * rate * ts + rate * rate * ss) / w, (floor * t / w) ** 2)
-    return rate, math.sqrt(spread / w) / (s / w)
-
-
-def _emits(cap: int, nodes: int, ranks: list) -> int:
-    """Tokens a step keeping `cap` of `nodes` proposed nodes emits where the target's path has `ranks`."""
-    return 1 + (len(ranks) if nodes <= cap else sum(r < cap for r in ranks))
 
 
 class AutoBudget:
@@ -365,77 +268,31 @@ class AutoBudget:
 
     The rates are shared per (model, retriever, policy kind, speaker's store or the general store): their
     acceptance differs, so their best caps do. A retriever that cannot be weakly referenced keeps
-    its rates per session. Under a lossless policy (`exact`: the policy's `Policy.exact`) every proposal
-    is also a `Probes` entry, counted once the tokens after it are emitted."""
+    its rates per session."""
 
-    def __init__(self, model, retriever, policy_kind: type, speaker, exact: bool = False):
-        key = (policy_kind, speaker is not None, exact)
+    def __init__(self, model, retriever, policy_kind: type, speaker):
+        key = (policy_kind, speaker is not None)
         try:
             shared = _RATES.setdefault(model, weakref.WeakKeyDictionary()).setdefault(retriever, {})
         except TypeError:
             shared = {}
         if key not in shared:
-            shared[key] = ArmRates(counterfactual=exact)
+            shared[key] = ArmRates()
         self.rates = shared[key]
-        self._probes = Probes(self.rates) if self.rates.counterfactual else None
-        self.wants_proposals = self._probes is not None
         self._arm: int | None = None
-        self._asked = 0
 
-    def nodes(self) -> tuple[int, int]:
-        """(nodes this step verifies, nodes it asks the retriever for: as many or more, or 0)."""
+    def nodes(self) -> int:
         self._arm = self.rates.choose()
-        self._asked = self.rates.ask()
-        return self.rates.arms[self._arm], self._asked
+        return self.rates.arms[self._arm]
 
-    def proposed(self, tree: CandidateTree, order: np.ndarray, position: int) -> None:
-        """The retriever's tree (cut to what the step can use), its `prune_order`, and where in the context
-        it continues."""
-        if self._probes is not None:
-            self._probes.add(tree, order, position, self._asked, self.rates.arms[self._arm])
-
-    def observe(self, tokens: int, seconds: float, context=(), finished: bool = False) -> None:
-        """The step emitted `tokens` in `seconds`; `context` is the retriever's context after it."""
+    def observe(self, tokens: int, seconds: float) -> None:
         if self._arm is not None:
             self.rates.record(self._arm, tokens, seconds)
             self._arm = None
-        if self._probes is not None:
-            self._probes.resolve(context, finished)
 
     def summary(self) -> dict:
         return self.rates.summary()
 
 
-class Probes:
-    """Proposals waiting for the tokens after them (lossless policies): once the context reaches the deepest
-    node's position, or the utterance ends, each one's accepted path goes to `ArmRates.record_accepted`."""
-
-    def __init__(self, rates: ArmRates):
-        self.rates = rates
-        self._waiting: list[tuple] = []  # (end, position, tokens, parents, rank, asked, verified)
-
-    def add(self, tree: CandidateTree, order: np.ndarray, position: int, asked: int, verified: int) -> None:
-        """A proposal of `asked` nodes continuing the context at `position`, of which the step verified
-        `verified` (the first in `order`)."""
-        if not len(tree):  # nothing proposed: every cap emits the one token a plain step does
-            self.rates.record_accepted(asked, verified, 0, np.zeros(0, np.int64))
-            return
-        rank = np.full(len(tree), len(tree), np.int64)  # a node `order` drops ranks after every cap
-        rank[order] = np.arange(len(order))
-        end = position + int(tree.depths.max())
-        self._waiting.append((end, position, tree.tokens, tree.parents, rank, asked, verified))
-
-    def resolve(self, context, finished: bool) -> None:
-        waiting = []
-        for probe in self._waiting:
-            end, position, tokens, parents, rank, asked, verified = probe
-            if finished or len(context) >= end:
-                ranks = matched_ranks(tokens, parents, rank, np.asarray(context[position:end], np.int64))
-                self.rates.record_accepted(asked, verified, len(tokens), ranks)
-            else:
-                waiting.append(probe)
-        self._waiting = waiting
-
-
 _RATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""model -> retriever -> {(policy class, speaker's store?, lossless?): ArmRates}"""
+"""model -> retriever -> {(policy class, speaker's store?): ArmRates}"""

@@ -32,9 +32,7 @@ class VerifiedTree:
 class Policy:
     """One acceptance rule. Subclasses implement `choose`; `walk` is shared."""
 
-    exact = True  # what it emits does not depend on the tree: the "auto" budget then reads what any smaller
-    # tree would have accepted off one proposal and the tokens after it (a relaxed rule must say False;
-    # False on an instance makes "auto" read each cap's tokens off its own blocks instead)
+    exact = True
 
     def __init__(self, seed: int | torch.Generator | None = None):
         self.generator = make_generator(seed)

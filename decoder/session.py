@@ -150,7 +150,7 @@ class SpeculativeSession:
         self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
         self.max_nodes, self.max_depth, self.retriever_timeout = max_nodes, max_depth, retriever_timeout
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 62
-        self.budget = (AutoBudget(model, retriever, type(self.policy), speaker, bool(self.policy.exact))
+        self.budget = (AutoBudget(model, retriever, type(self.policy), speaker)
                        if max_nodes == "auto" and retriever is not None else FixedBudget(node_cap(max_nodes)))
         self.stats = GenerationStats(token_rate=token_rate)
         table = self._output_table()
@@ -294,16 +294,16 @@ class SpeculativeSession:
         """Ask the retriever for a tree and cut it to what this step can use and its budget allows (may be empty)."""
         if self.retriever is None or self.finished:
             return CandidateTree.empty()
-        cap, asked = self.budget.nodes()  # asked for more than it verifies: to count what larger caps accept
+        cap = self.budget.nodes()
         self.stats.node_caps.append(cap)
         depth_cap = min(self.max_depth, self.max_new_tokens - len(self.generated),
                         self.max_positions - 1 - self.cached)
-        if depth_cap <= 0 or asked == 0:
+        if depth_cap <= 0 or cap == 0:
             return CandidateTree.empty()
         start = time.perf_counter()
         try:
             tree = self.retriever.propose(np.asarray(self.context, np.int64), speaker=self.speaker,
-                                          max_nodes=asked, max_depth=depth_cap)
+                                          max_nodes=cap, max_depth=depth_cap)
         except Exception as exc:  # noqa: BLE001 — any retriever failure only costs speed
             self.stats.retriever_errors += 1
             warnings.warn(f"retriever failed ({type(exc).__name__}: {exc}); this step runs autoregressively")
@@ -318,11 +318,7 @@ class SpeculativeSession:
             raise DecoderInputError(f"the retriever returned {type(tree).__name__}, not a CandidateTree")
         self.speech.to_model(tree.tokens)  # raises on ids outside the store's vocabulary
         tree = self._usable(tree, depth_cap)
-        if len(tree) <= cap and not self.budget.wants_proposals:
-            return tree
-        order = prune_order(tree)
-        self.budget.proposed(tree, order, len(self.context))
-        return tree if len(tree) <= cap else tree.subtree(order[:cap])
+        return tree if len(tree) <= cap else tree.subtree(prune_order(tree)[:cap])
 
     def _usable(self, tree: CandidateTree, depth_cap: int) -> CandidateTree:
         """Drop nodes deeper than this step may go and everything below a stop token."""
@@ -404,7 +400,7 @@ class SpeculativeSession:
         emitted = self._emit([verified.tokens[i] for i in path] + ([] if bonus is None else [bonus]))
         # the cache holds every emitted token but the last: fewer emitted (a stop, the length limit) keep fewer
         self.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
-        self.budget.observe(len(emitted), time.perf_counter() - start, self.context, self.finished)
+        self.budget.observe(len(emitted), time.perf_counter() - start)
         if self.finished:
             self.stats.budget = self.budget.summary()
         self.stats.accepted_lengths.append(len(path))

@@ -162,20 +162,3 @@ def test_grouped_heads_benchmark_runs_both_ways_with_the_same_tokens(sample_stor
     monkeypatch.setenv(grouped_heads.SWITCH, "1")
     result = CliRunner().invoke(grouped_heads.main, ["--store", str(sample_store), "--out", str(tmp_path)])
     assert result.exit_code == 2 and "unset TRANSFORMERS_SDPA_FORCE_GQA" in result.output
-
-
-def test_auto_probes_benchmark_runs_both_autos_losslessly(sample_store, tmp_path):
-    from echospec.tools.benchmarks import auto_probes
-
-    result = CliRunner().invoke(auto_probes.main, ["--store", str(sample_store), "--limit", "3", "--fixed", "4",
-                                                   "--policy", "exact-sampling", "--out", str(tmp_path)])
-    assert result.exit_code == 0, result.output
-    report = json.loads((tmp_path / "auto_probes.json").read_text())
-    names = {"exact-sampling/autoregressive", "exact-sampling/auto, probes", "exact-sampling/auto, measured",
-             "exact-sampling/fixed 4"}
-    assert set(report["systems"]) == names and report["utterances"] == 3
-    assert all(s["same_tokens"] == 1.0 for s in report["systems"].values())  # one seed per prompt: lossless
-    assert report["systems"]["exact-sampling/auto, probes"]["plain_steps"] is not None
-    assert set(report["probes_over_measured"]) == {"exact-sampling"}
-    result = CliRunner().invoke(auto_probes.main, ["--store", str(sample_store), "--fixed", "4,x"])
-    assert result.exit_code == 2 and "not a comma-separated list" in result.output

@@ -10,8 +10,7 @@
   `RelaxedSettings`, `make_policy`.
 - `measure_cost_curve`: the model's forward time against tree size on this machine.
 - `copying_grouped_heads`: sessions made within run tree forwards as transformers does by default (`decoder.gqa`).
-- `pin_threads` pins a run's thread pools (and its child processes'); `save_figure` writes a plot and
-  `save_report` a JSON report atomically.
+- `pin_threads` pins a run's thread pools (and its child processes'); `save_figure` writes a plot atomically.
 """
 
 from __future__ import annotations
@@ -238,17 +237,6 @@ def pin_threads(threads: int) -> None:
         sys.modules["faiss"].omp_set_num_threads(threads)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)
-
-
-def save_report(report: dict, out_dir, name: str) -> Path:
-    """Write `report` as JSON to `out_dir`/`name` (the folder made if need be) through a temporary file."""
-    import json
-
-    path = Path(out_dir) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as f:
-        json.dump(report, f, indent=1)
-    return path
 
 
 def save_figure(fig, path: Path, dpi: int = 110) -> None:

@@ -13,14 +13,17 @@ agree; writes grouped_heads.json.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import click
 import numpy as np
 
+from ...datastore.files import atomic_file
 from ...decoder.gqa import SWITCH
 from ..bench.harness import (POLICIES, RelaxedSettings, System, balanced_order, copying_grouped_heads, echospec_run,
-                             make_policy, save_report, warm_up)
+                             make_policy, warm_up)
 from ..bench.quality import median_ratio_ci, ratio_of_medians_ci
 from ..cli.options import limit_option, out_option, threads_option
 from ..corpus import SAMPLE_MODEL_DIR, SAMPLE_PROMPTS
@@ -97,7 +100,11 @@ def main(store, nodes, policy, limit, rounds, threads, out_dir) -> None:
     ratio = report["grouped_over_repeat_kv"]
     click.echo(f"grouped heads over repeat_kv, paired: {ratio['median']:.3f} [{ratio['ci95'][0]:.3f}, "
                f"{ratio['ci95'][1]:.3f}]; same tokens in {report['same_tokens']:.0%} of {report['utterances']} utterances")
-    click.echo(f"wrote {save_report(report, out_dir, 'grouped_heads.json')}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out / "grouped_heads.json") as f:
+        json.dump(report, f, indent=1)
+    click.echo(f"wrote {out / 'grouped_heads.json'}")
 
 
 if __name__ == "__main__":
