@@ -3,6 +3,7 @@
 import json
 import os
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -71,6 +72,14 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
     runs = report["utterances"]["exact-greedy/speaker"]
     assert all(len(r["caps"]) == r["forwards"] - 1 and set(r["caps"]) <= {0, 4, 8, 16, 32, 64} for r in runs)
     assert "caps" not in report["utterances"]["exact-sampling/speaker/n4d8"][0]
+    # "auto" against the budgets swept beside it, paired by utterance: the same median as computed here
+    against = report["auto_against_fixed"]
+    assert set(against) == {"exact-sampling/speaker", "filtered/speaker"} and set(against["filtered/speaker"]) == {"n4d8"}
+    ratios = [f["time_per_token"] / a["time_per_token"] for f, a in
+              zip(report["utterances"]["filtered/speaker/n4d8"], report["utterances"]["filtered/speaker"])]
+    entry = against["filtered/speaker"]["n4d8"]
+    assert entry["median"] == pytest.approx(float(np.median(ratios))) and entry["ci95"][0] <= entry["median"] <= entry["ci95"][1]
+    assert "auto against the fixed budgets" in result.output and "filtered/speaker: n4d8" in result.output
     assert report["machine"]["dtype"] == "float32"
 
 

@@ -290,6 +290,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
                          "native_bfloat16": native_bfloat16(device)}
     report["verify_cost_curve"] = curve.to_dict() | {"context_tokens": curve_context}
     report["auto_budgets"] = {name: state for name, state in budgets.items() if state}  # each cap's rate, at the end
+    report["auto_against_fixed"] = auto_against_fixed(rows)
     report["setup"] = {"checkpoint": str(checkpoint) if isinstance(checkpoint, (str, Path)) else type(model).__name__,
                        "store": str(store), "prompts": str(source) if isinstance(source, (str, Path)) else "python",
                        "utterances": len(utterances), "rounds": rounds, "max_nodes": max_nodes,
@@ -349,6 +350,23 @@ def summarise(systems: list[System], rows: dict, token_rate: float) -> dict:
     return {"systems": summary, "utterances": rows}
 
 
+def auto_against_fixed(rows: dict) -> dict:
+    """For each "auto" system (its utterances record their caps), its speed over each fixed budget swept beside
+    it with the same policy and store: the median over utterances of the fixed system's time per token over
+    auto's, with a 95% interval. Above 1: "auto" was faster. Paired by utterance, since the question is whether
+    to pin that budget, and both systems met the same prompts at nearly the same moment."""
+    compared = {}
+    for name, runs in rows.items():
+        if not runs or "caps" not in runs[0]:
+            continue
+        auto = [r["time_per_token"] for r in runs]
+        fixed = {other[len(name) + 1:]: median_ratio_ci([r["time_per_token"] for r in rows[other]], auto)
+                 .to_dict("median") for other in rows if other.startswith(f"{name}/n")}
+        if fixed:
+            compared[name] = fixed
+    return compared
+
+
 def format_table(report: dict) -> str:
     """One row per system; quality changes are relative to the system's baseline, with 95% intervals."""
 
@@ -376,6 +394,12 @@ def format_table(report: dict) -> str:
               "same: share of utterances token for token the baseline's; max dlogit: over the others, the largest "
               "logit difference at the first divergent token between the system's forward and a plain one-token "
               "forward (rounding flips near-ties at ~1e-6 in float32, ~1e-2 in bfloat16; a bug shows far larger)"]
+    against = report.get("auto_against_fixed")
+    if against:
+        lines += ["", "auto against the fixed budgets swept beside it (paired: each utterance's time per token under the "
+                  "budget over auto's, median and 95% interval; below 1 with its whole interval, pinning that budget was faster):"]
+        lines += [f"  {name}: " + ", ".join(f"{budget} {r['median']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+                                            for budget, r in fixed.items()) for name, fixed in against.items()]
     if curve:
         points = ", ".join(f"{n}: {r:.2f}" for n, r in zip(curve["sizes"], curve["relative"]))
         lines += ["",
