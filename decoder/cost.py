@@ -35,9 +35,6 @@ FIRST_ARM = 8  # tried first: a middle cap
 BLOCK = 8  # steps in a row under one cap: the unit a cap is chosen and measured by
 TRIES = 2  # blocks counted for every cap before its rate counts (after a warm-up block: a cap's first
 # block, the first steps of a process, ran at 0.4x its rate)
-PRECISION = 0.1  # ... and more, up to MAX_TRIES, until its standard error is within 10% of its rate: on a noisy
-MAX_TRIES = 8  # machine (blocks of plain steps varying 39%) two blocks once dismissed 4 and 8 nodes at 251 +- 129
-# and 268 +- 81 tokens a second, where fixed 4 and 8 realised 315 and 318 against plain steps' 300
 HALF_LIFE = 1024  # blocks after which a block's weight in its cap's rate has halved: rates follow drift
 DECAY = 0.5 ** (1 / HALF_LIFE)
 BLOCK_CV = 0.1  # the least spread assumed of a block's tokens per second: a rate is never certain (plain
@@ -126,8 +123,8 @@ class ArmRates:
     Each cap's rate is the ratio of its counted blocks' discounted sums (weights halving every HALF_LIFE
     blocks), with a standard error from the blocks' spread. A block right after another cap's is a warm-up
     and not counted (`_close_block`). Each block runs the plain step (cap 0) or one of the caps next to the
-    fastest tree cap so far (one size smaller, the same, one larger): one not yet measured (counted TRIES
-    times, and up to MAX_TRIES while its standard error exceeds PRECISION of its rate), or not run for RECHECK blocks (4x as many unless within 20% of a tree cap that is the fastest), else the
+    fastest tree cap so far (one size smaller, the same, one larger): one not yet counted TRIES times, or
+    not run for RECHECK blocks (4x as many unless within 20% of a tree cap that is the fastest), else the
     plain step if it is the fastest, else the one whose rate, drawn from a normal around its estimate with
     that standard error, is highest (Thompson sampling). The plain step's rate counts MARGIN higher, in
     choosing the fastest and in the draw, and the cap that ran last STAY higher in the draw. The first cap
@@ -219,14 +216,14 @@ class ArmRates:
     def _next_block(self) -> int:
         estimates = [self._estimate(i) for i in range(len(self.arms))]  # (rate, standard error) per cap
         weighed = [rate * self._handicap(i) for i, (rate, _) in enumerate(estimates)]
-        tried = [i for i in range(len(self.arms)) if self._measured(i, *estimates[i])]
+        tried = [i for i, n in enumerate(self._counted) if n >= TRIES]
         if tried:
             self._best = max(tried, key=weighed.__getitem__)
         trees = [i for i in tried if self.arms[i] > 0]
         if trees:
             self._best_tree = max(trees, key=lambda i: estimates[i][0])
         near = [i for i in self._order if i in (self._best_tree - 1, self._best_tree, self._best_tree + 1, 0)]
-        untried = [i for i in near if not self._measured(i, *estimates[i])]
+        untried = [i for i in near if self._counted[i] < TRIES]
         if not untried and self._cold:  # measure the first cap again, now that the process is warm
             self._cold, first = False, self._order[0]
             self._sums[first], self._counted[first] = [0.0] * 6, 0
@@ -242,11 +239,6 @@ class ArmRates:
             return self._best
         return max(near, key=lambda i: self._random.gauss(*estimates[i]) * self._handicap(i)
                    * (1.0 + STAY if i == self._previous else 1.0))
-
-    def _measured(self, arm: int, rate: float, error: float) -> bool:
-        """Whether cap `arms[arm]` has run enough counted blocks for its rate to count."""
-        counted = self._counted[arm]
-        return counted >= MAX_TRIES or (counted >= TRIES and error <= PRECISION * rate)
 
     def _handicap(self, arm: int) -> float:
         """What a cap's rate is weighed with: the plain step's raised by MARGIN."""

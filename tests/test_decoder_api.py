@@ -11,7 +11,7 @@ from decoder_testing import PromptLookup, Raising, Scripted, Slow, Wrong, tiny_m
 
 from echospec.decoder import (HF_CUSTOM_GENERATE_DIR, ArmRates, DecoderInputError, SpeechVocab,
                               UnsupportedModelError, generate, hf_generate)
-from echospec.decoder.cost import ARMS, BLOCK, MAX_TRIES, TRIES, prune_order
+from echospec.decoder.cost import ARMS, BLOCK, prune_order
 from echospec.retriever import CandidateTree
 
 VOCAB = 64
@@ -239,21 +239,6 @@ def test_auto_recovers_a_tree_cap_after_an_unlucky_start():
             caps.append(cap)
         assert caps[:3 * BLOCK] == [8] * 3 * BLOCK, speed
         assert caps[1000:3000].count(8) > 0.8 * 2000 and caps[8000:].count(8) > 0.8 * 4000, speed
-
-
-def test_auto_measures_a_cap_until_its_rate_is_known():
-    # 4 nodes' blocks alternate between a normal and a 5x slower stretch (a noisy machine: blocks of plain
-    # steps varied 39% on one): two blocks say little of its rate, so it runs up to MAX_TRIES counted blocks;
-    # a steady cap is known after TRIES
-    rates = ArmRates()
-    for step in range(60 * BLOCK):
-        arm = rates.choose()
-        cap = rates.arms[arm]
-        stretch = 5.0 if cap == 4 and (step // BLOCK) % 2 else 1.0
-        rates.record(arm, 1, stretch / CPU[cap])
-    steps = rates.summary()["steps"]
-    assert steps["4"] >= BLOCK * (1 + MAX_TRIES)  # a warm-up and MAX_TRIES counted blocks, at least
-    assert steps["0"] <= BLOCK * (1 + TRIES + 1)  # steady and slower: a warm-up, TRIES blocks, perhaps a recheck
 
 
 def test_auto_prefers_plain_steps_to_a_tree_that_barely_pays():
