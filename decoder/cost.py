@@ -4,9 +4,8 @@ Verifying N nodes costs one forward over 1 + N tokens. On a GPU that is nearly t
 on a CPU it jumps at N = 1 (a 2-row matrix multiply costs about twice a 1-row one) and then grows
 slowly, and a step also pays for the retriever's call, the mask, the policy's walk over the tree and
 the cache compaction, which no forward-time curve shows. A session's budget has two calls:
-`nodes()` (this step's cap; 0: do not ask the retriever) and `observe(tokens, seconds, ranks)` (what the
-whole step emitted and took, and the accepted nodes' ranks in `prune_order`: what a smaller cap would
-have accepted). `FixedBudget` keeps the N most probable nodes of every tree.
+`nodes()` (this step's cap; 0: do not ask the retriever) and `observe(tokens, seconds)` (what the
+whole step emitted and took). `FixedBudget` keeps the N most probable nodes of every tree.
 `AutoBudget` (max_nodes="auto", the default) measures instead of predicting: `ArmRates` runs the
 caps in ARMS in blocks of steps, keeps each one's tokens per second of wall-clock and how sure that
 is, and runs the fastest, trying the others as often as they might be faster.
@@ -36,12 +35,6 @@ FIRST_ARM = 8  # tried first: a middle cap
 BLOCK = 8  # steps in a row under one cap: the unit a cap is chosen and measured by
 TRIES = 2  # blocks counted for every cap before its rate counts (after a warm-up block: a cap's first
 # block, the first steps of a process, ran at 0.4x its rate)
-PRECISION = 0.1  # ... and more, up to MAX_TRIES, until its standard error is within 10% of its rate: on a noisy
-MAX_TRIES = 8  # machine (blocks of plain steps varying 39%) two blocks once dismissed 4 and 8 nodes at 251 +- 129
-# and 268 +- 81 tokens a second, where fixed 4 and 8 realised 315 and 318 against plain steps' 300
-STINT = 8  # blocks a cap runs in a row once chosen, over which going between plain steps and trees is paid
-# for. Charged to the blocks of the stint actually run, a recheck's one counted block paid for two switches,
-# and trees measured only in rechecks read slower than plain steps where fixed 4 nodes ran 1.42x them
 HALF_LIFE = 1024  # blocks after which a block's weight in its cap's rate has halved: rates follow drift
 DECAY = 0.5 ** (1 / HALF_LIFE)
 BLOCK_CV = 0.1  # the least spread assumed of a block's tokens per second: a rate is never certain (plain
@@ -84,14 +77,6 @@ class CostCurve:
         return asdict(self) | {"relative": self.relative()}
 
 
-def path_ranks(tree: CandidateTree, path: list[int]) -> list[int]:
-    """Each node of `path`'s place in `prune_order(tree)`: a cap of k nodes keeps those below k."""
-    ranks = np.full(len(tree), len(tree), np.int64)
-    order = prune_order(tree)
-    ranks[order] = np.arange(len(order))
-    return ranks[path].tolist()
-
-
 def prune_order(tree: CandidateTree) -> np.ndarray:
     """Nodes by decreasing probability, every node after its parent: keeping any prefix keeps a tree.
     (A node more probable than its parent, which the retriever never proposes, is dropped.)"""
@@ -123,7 +108,7 @@ class FixedBudget:
     def nodes(self) -> int:
         return self.cap
 
-    def observe(self, tokens: int, seconds: float, ranks=()) -> None:
+    def observe(self, tokens: int, seconds: float) -> None:
         pass
 
     def summary(self) -> None:
@@ -138,14 +123,12 @@ class ArmRates:
     Each cap's rate is the ratio of its counted blocks' discounted sums (weights halving every HALF_LIFE
     blocks), with a standard error from the blocks' spread. A block right after another cap's is a warm-up
     and not counted (`_close_block`). Each block runs the plain step (cap 0) or one of the caps next to the
-    fastest tree cap so far (one size smaller, the same, one larger): one not yet measured (counted TRIES
-    times, and up to MAX_TRIES while its standard error exceeds PRECISION of its rate), or not run for
-    RECHECK blocks (4x as many unless within 20% of a tree cap that is the fastest), else the plain step if
-    it is the fastest, else the one whose rate, drawn from a normal around its estimate with that standard
-    error, is highest (Thompson sampling). A tree cap's rate is weighed with the mean cost of going from
-    plain steps to trees and back, spread over a STINT of its blocks; the plain step's rate counts MARGIN
-    higher, in choosing the fastest and in the draw, and the cap that ran last STAY higher in the draw. The
-    first cap is measured again once the caps next to it have been: its first blocks ran in a cold process.
+    fastest tree cap so far (one size smaller, the same, one larger): one not yet counted TRIES times, or
+    not run for RECHECK blocks (4x as many unless within 20% of a tree cap that is the fastest), else the
+    plain step if it is the fastest, else the one whose rate, drawn from a normal around its estimate with
+    that standard error, is highest (Thompson sampling). The plain step's rate counts MARGIN higher, in
+    choosing the fastest and in the draw, and the cap that ran last STAY higher in the draw. The first cap
+    is measured again once the caps next to it have been: its first blocks ran in a cold process.
 
     So caps are compared over the same stretch of utterances and load, a clearly slower cap is seldom
     run again, and near-equal ones share the blocks in long runs. Rate against tree cap rises to one peak
@@ -162,8 +145,6 @@ class ArmRates:
         # per cap, discounted sums over its counted blocks (t tokens, s seconds): weight, t, s, t², ts, s².
         # Plain Python floats: a block's bookkeeping in NumPy cost ~200 us here, 1% of a small model's time
         self._sums = [[0.0] * 6 for _ in self.arms]
-        # per cap K, per cap k <= K: discounted tokens cap k would have emitted in K's counted blocks
-        self._reach = [[0.0] * (i + 1) for i in range(len(self.arms))]
         self.blocks = [0] * len(self.arms)  # blocks run per cap, all time
         self._counted = [0] * len(self.arms)  # blocks counted in each cap's rate
         self._count = 0  # blocks run, all caps
@@ -175,32 +156,26 @@ class ArmRates:
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self._arm, self._tokens, self._seconds = self._best, 0, []  # the block running, and its steps so far
-        self._within = [0] * len(self.arms)  # this block's tokens under each cap up to its own (`record`)
         self._previous: int | None = None  # the cap of the block before it
-        self._switch = [0.0, 0.0]  # discounted count and seconds of warm-ups between plain steps and trees
-        # beyond their cap's mean block: what one change between them costs
+        self._held: tuple[int, float, float] | None = None  # a tree block (cap, t, s) not yet counted
+        self._charge = 0.0  # a tree warm-up's seconds after plain steps, beyond its cap's rate
 
     def choose(self) -> int:
         """The index (into `arms`) of the cap the next step runs."""
         return self._arm
 
-    def record(self, arm: int, tokens: int, seconds: float, ranks=()) -> None:
-        """A step under cap `arms[arm]` emitted `tokens` tokens in `seconds`, with accepted nodes of `ranks`
-        in the tree's `prune_order` (a cap of k would have kept those below k); the block ends after BLOCK."""
+    def record(self, arm: int, tokens: int, seconds: float) -> None:
+        """A step under cap `arms[arm]` emitted `tokens` tokens in `seconds`; the block ends after BLOCK."""
         with self._lock:
             if arm != self._arm:  # chosen before its block ended (a session in another thread): left out
                 return
             self._tokens += tokens
             self._seconds.append(seconds)
-            for i in range(arm):  # the accepted path runs parent first, so a cap keeps a prefix of it
-                self._within[i] += min(tokens, 1 + sum(rank < self.arms[i] for rank in ranks))
-            self._within[arm] += tokens
             if len(self._seconds) == BLOCK:
                 steps = sorted(self._seconds)
                 cap = OUTLIER * (steps[(BLOCK - 1) // 2] + steps[BLOCK // 2]) / 2
                 warm_up = self._close_block(arm, self._tokens, sum(min(step, cap) for step in steps))
                 self._arm, self._tokens, self._seconds = arm if warm_up else self._next_block(), 0, []
-                self._within = [0] * len(self.arms)
 
     def _close_block(self, arm: int, t: float, s: float) -> bool:
         """Count a finished block; True if it was a warm-up, and the same cap runs the next block.
@@ -209,44 +184,49 @@ class ArmRates:
         steps after tree steps 4-14%, a tree cap after another cap 6-15% in a full bench run; a burst of any
         other work does it, even a busy loop; and a process's, a shape's first forwards). Counted, that
         favours whichever cap runs longest, so a block right after another cap's, or the first, is a
-        warm-up: not counted. A warm-up's seconds beyond its cap's mean block, where it went between plain
-        steps and trees, go into the mean cost of such a change (`_judged`): part of what trees cost. (Not
-        beyond what its tokens take at its cap's rate: a tree block's acceptance varies ~30%, and that luck
-        put the mean change anywhere from -7 to +5 ms, against 25 ms blocks, in one side-by-side run.)"""
+        warm-up: not counted. The seconds of a plain warm-up after trees beyond the plain rate are charged
+        to the tree block before it (held until then), and a tree warm-up's after plain steps beyond its
+        own rate to its next block: going between plain steps and trees is part of what trees cost."""
         previous, self._previous = self._previous, arm
+        plain = self.arms[arm] == 0
         self.blocks[arm] += 1
         self._count += 1
         self._last[arm] = self._count
+        weight, tokens, seconds = self._sums[arm][:3]
+        extra = s - t * seconds / tokens if weight > 0.0 else 0.0  # beyond this cap's rate
+        if self._held is not None:  # the block before was a counted tree block
+            held, held_t, held_s = self._held
+            self._held = None
+            self._add(held, held_t, held_s + (extra if plain else 0.0))
         if previous != arm:
-            weight, seconds = self._sums[arm][0], self._sums[arm][2]
-            if previous is not None and (self.arms[previous] == 0) != (self.arms[arm] == 0) and weight > 0.0:
-                extra = s - seconds / weight  # beyond its cap's mean block: a slowdown, not a block's luck
-                self._switch = [self._switch[0] * DECAY + 1.0, self._switch[1] * DECAY + extra]
+            self._charge = extra if not plain and previous is not None and self.arms[previous] == 0 else 0.0
             return True
         self._counted[arm] += 1
-        self._add(arm, t, s)
+        if plain:
+            self._add(arm, t, s)
+        else:
+            self._held, self._charge = (arm, t, s + self._charge), 0.0
         return False
 
     def _add(self, arm: int, t: float, s: float) -> None:
-        for sums in self._sums + self._reach:
+        for sums in self._sums:
             sums[:] = [x * DECAY for x in sums]
         self._sums[arm] = [a + b for a, b in zip(self._sums[arm], (1.0, t, s, t * t, t * s, s * s))]
-        self._reach[arm] = [a + b for a, b in zip(self._reach[arm], self._within)]
 
     def _next_block(self) -> int:
-        estimates = [self._judged(i) for i in range(len(self.arms))]  # (rate, standard error) per cap
+        estimates = [self._estimate(i) for i in range(len(self.arms))]  # (rate, standard error) per cap
         weighed = [rate * self._handicap(i) for i, (rate, _) in enumerate(estimates)]
-        tried = [i for i in range(len(self.arms)) if self._measured(i)]
+        tried = [i for i, n in enumerate(self._counted) if n >= TRIES]
         if tried:
             self._best = max(tried, key=weighed.__getitem__)
         trees = [i for i in tried if self.arms[i] > 0]
         if trees:
             self._best_tree = max(trees, key=lambda i: estimates[i][0])
         near = [i for i in self._order if i in (self._best_tree - 1, self._best_tree, self._best_tree + 1, 0)]
-        untried = [i for i in near if not self._measured(i)]
+        untried = [i for i in near if self._counted[i] < TRIES]
         if not untried and self._cold:  # measure the first cap again, now that the process is warm
             self._cold, first = False, self._order[0]
-            self._sums[first], self._reach[first], self._counted[first] = [0.0] * 6, [0.0] * (first + 1), 0
+            self._sums[first], self._counted[first] = [0.0] * 6, 0
             untried = [first] if first in near else []
         if untried:
             return untried[0]
@@ -259,36 +239,6 @@ class ArmRates:
             return self._best
         return max(near, key=lambda i: self._random.gauss(*estimates[i]) * self._handicap(i)
                    * (1.0 + STAY if i == self._previous else 1.0))
-
-    def _measured(self, arm: int) -> bool:
-        """Whether cap `arms[arm]` has run enough counted blocks for its rate to count."""
-        counted = self._counted[arm]
-        if counted < TRIES or counted >= MAX_TRIES:
-            return counted >= MAX_TRIES
-        rate, error = self._estimate(arm)
-        return error <= PRECISION * rate
-
-    def _judged(self, arm: int) -> tuple[float, float]:
-        """The rate (and standard error) a cap is chosen by: its own, or at least what it would have emitted
-        in a larger cap's counted blocks (a smaller tree costs no more, and keeps a prefix of the accepted
-        path: a floor known from the larger cap's steps themselves, where its own blocks are few and noisy),
-        and for a tree cap over a STINT of its blocks and a change from plain steps and back (their mean
-        cost where positive; prior: two changes that cost nothing)."""
-        rate, error = self._estimate(arm)
-        weight, seconds = self._sums[arm][0], self._sums[arm][2]
-        block = seconds / weight if weight > 0.0 else 0.0  # seconds of one of its blocks
-        for larger in range(arm + 1, len(self.arms)):
-            weight, seconds = self._sums[larger][0], self._sums[larger][2]
-            if self._counted[larger] >= TRIES and seconds > 0.0 and self._reach[larger][arm] > rate * seconds:
-                top, top_error = self._estimate(larger)
-                rate = self._reach[larger][arm] / seconds
-                error, block = rate * top_error / top, block or seconds / weight
-        if self.arms[arm] == 0 or block <= 0.0:
-            return rate, error
-        change = max(0.0, self._switch[1] / (self._switch[0] + 2.0))
-        stint = STINT * block
-        factor = stint / (stint + 2 * change)
-        return rate * factor, error * factor
 
     def _handicap(self, arm: int) -> float:
         """What a cap's rate is weighed with: the plain step's raised by MARGIN."""
@@ -335,9 +285,9 @@ class AutoBudget:
         self._arm = self.rates.choose()
         return self.rates.arms[self._arm]
 
-    def observe(self, tokens: int, seconds: float, ranks=()) -> None:
+    def observe(self, tokens: int, seconds: float) -> None:
         if self._arm is not None:
-            self.rates.record(self._arm, tokens, seconds, ranks)
+            self.rates.record(self._arm, tokens, seconds)
             self._arm = None
 
     def summary(self) -> dict:
