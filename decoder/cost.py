@@ -4,9 +4,8 @@ Verifying N nodes costs one forward over 1 + N tokens. On a GPU that is nearly t
 on a CPU it jumps at N = 1 (a 2-row matrix multiply costs about twice a 1-row one) and then grows
 slowly, and a step also pays for the retriever's call, the mask, the policy's walk over the tree and
 the cache compaction, which no forward-time curve shows. A session's budget has two calls:
-`nodes()` (this step's cap; 0: do not ask the retriever) and `observe(tokens, seconds, ranks)` (what the
-whole step emitted and took, and the accepted nodes' places in `prune_order`: what a smaller cap would
-have accepted). `FixedBudget` keeps the N most probable nodes of every tree.
+`nodes()` (this step's cap; 0: do not ask the retriever) and `observe(tokens, seconds)` (what the
+whole step emitted and took). `FixedBudget` keeps the N most probable nodes of every tree.
 `AutoBudget` (max_nodes="auto", the default) measures instead of predicting: `ArmRates` runs the
 caps in ARMS in blocks of steps, keeps each one's tokens per second of wall-clock and how sure that
 is, and runs the fastest, trying the others as often as they might be faster.
@@ -78,14 +77,6 @@ class CostCurve:
         return asdict(self) | {"relative": self.relative()}
 
 
-def path_ranks(tree: CandidateTree, path: list[int]) -> list[int]:
-    """Each node of `path`'s place in `prune_order(tree)`: a cap of k nodes keeps those below k."""
-    ranks = np.full(len(tree), len(tree), np.int64)
-    order = prune_order(tree)
-    ranks[order] = np.arange(len(order))
-    return ranks[path].tolist()
-
-
 def prune_order(tree: CandidateTree) -> np.ndarray:
     """Nodes by decreasing probability, every node after its parent: keeping any prefix keeps a tree.
     (A node more probable than its parent, which the retriever never proposes, is dropped.)"""
@@ -117,7 +108,7 @@ class FixedBudget:
     def nodes(self) -> int:
         return self.cap
 
-    def observe(self, tokens: int, seconds: float, ranks=()) -> None:
+    def observe(self, tokens: int, seconds: float) -> None:
         pass
 
     def summary(self) -> None:
@@ -154,8 +145,6 @@ class ArmRates:
         # per cap, discounted sums over its counted blocks (t tokens, s seconds): weight, t, s, t², ts, s².
         # Plain Python floats: a block's bookkeeping in NumPy cost ~200 us here, 1% of a small model's time
         self._sums = [[0.0] * 6 for _ in self.arms]
-        # per cap K, per cap k <= K: discounted tokens cap k would have emitted in K's counted blocks
-        self._reach = [[0.0] * (i + 1) for i in range(len(self.arms))]
         self.blocks = [0] * len(self.arms)  # blocks run per cap, all time
         self._counted = [0] * len(self.arms)  # blocks counted in each cap's rate
         self._count = 0  # blocks run, all caps
@@ -167,32 +156,26 @@ class ArmRates:
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self._arm, self._tokens, self._seconds = self._best, 0, []  # the block running, and its steps so far
-        self._within = [0] * len(self.arms)  # its tokens under each cap up to its own, had that cap run
         self._previous: int | None = None  # the cap of the block before it
-        self._held: tuple | None = None  # a tree block (cap, t, s, within) not yet counted
+        self._held: tuple[int, float, float] | None = None  # a tree block (cap, t, s) not yet counted
         self._charge = 0.0  # a tree warm-up's seconds after plain steps, beyond its cap's rate
 
     def choose(self) -> int:
         """The index (into `arms`) of the cap the next step runs."""
         return self._arm
 
-    def record(self, arm: int, tokens: int, seconds: float, ranks=()) -> None:
-        """A step under cap `arms[arm]` emitted `tokens` tokens in `seconds`, its accepted nodes at `ranks` in
-        the tree's `prune_order` (a cap of k would have kept those below k); the block ends after BLOCK."""
+    def record(self, arm: int, tokens: int, seconds: float) -> None:
+        """A step under cap `arms[arm]` emitted `tokens` tokens in `seconds`; the block ends after BLOCK."""
         with self._lock:
             if arm != self._arm:  # chosen before its block ended (a session in another thread): left out
                 return
             self._tokens += tokens
             self._seconds.append(seconds)
-            for i in range(arm):  # the accepted path runs parent first, so a smaller cap keeps a prefix of it
-                self._within[i] += min(tokens, 1 + sum(rank < self.arms[i] for rank in ranks))
-            self._within[arm] += tokens
             if len(self._seconds) == BLOCK:
                 steps = sorted(self._seconds)
                 cap = OUTLIER * (steps[(BLOCK - 1) // 2] + steps[BLOCK // 2]) / 2
                 warm_up = self._close_block(arm, self._tokens, sum(min(step, cap) for step in steps))
                 self._arm, self._tokens, self._seconds = arm if warm_up else self._next_block(), 0, []
-                self._within = [0] * len(self.arms)
 
     def _close_block(self, arm: int, t: float, s: float) -> bool:
         """Count a finished block; True if it was a warm-up, and the same cap runs the next block.
@@ -212,27 +195,26 @@ class ArmRates:
         weight, tokens, seconds = self._sums[arm][:3]
         extra = s - t * seconds / tokens if weight > 0.0 else 0.0  # beyond this cap's rate
         if self._held is not None:  # the block before was a counted tree block
-            held, held_t, held_s, within = self._held
+            held, held_t, held_s = self._held
             self._held = None
-            self._add(held, held_t, held_s + (extra if plain else 0.0), within)
+            self._add(held, held_t, held_s + (extra if plain else 0.0))
         if previous != arm:
             self._charge = extra if not plain and previous is not None and self.arms[previous] == 0 else 0.0
             return True
         self._counted[arm] += 1
         if plain:
-            self._add(arm, t, s, self._within)
+            self._add(arm, t, s)
         else:
-            self._held, self._charge = (arm, t, s + self._charge, self._within), 0.0
+            self._held, self._charge = (arm, t, s + self._charge), 0.0
         return False
 
-    def _add(self, arm: int, t: float, s: float, within: list[int]) -> None:
-        for sums in self._sums + self._reach:
+    def _add(self, arm: int, t: float, s: float) -> None:
+        for sums in self._sums:
             sums[:] = [x * DECAY for x in sums]
         self._sums[arm] = [a + b for a, b in zip(self._sums[arm], (1.0, t, s, t * t, t * s, s * s))]
-        self._reach[arm] = [a + b for a, b in zip(self._reach[arm], within)]
 
     def _next_block(self) -> int:
-        estimates = [self._judged(i) for i in range(len(self.arms))]  # (rate, standard error) per cap
+        estimates = [self._estimate(i) for i in range(len(self.arms))]  # (rate, standard error) per cap
         weighed = [rate * self._handicap(i) for i, (rate, _) in enumerate(estimates)]
         tried = [i for i, n in enumerate(self._counted) if n >= TRIES]
         if tried:
@@ -244,7 +226,7 @@ class ArmRates:
         untried = [i for i in near if self._counted[i] < TRIES]
         if not untried and self._cold:  # measure the first cap again, now that the process is warm
             self._cold, first = False, self._order[0]
-            self._sums[first], self._reach[first], self._counted[first] = [0.0] * 6, [0.0] * (first + 1), 0
+            self._sums[first], self._counted[first] = [0.0] * 6, 0
             untried = [first] if first in near else []
         if untried:
             return untried[0]
@@ -257,22 +239,6 @@ class ArmRates:
             return self._best
         return max(near, key=lambda i: self._random.gauss(*estimates[i]) * self._handicap(i)
                    * (1.0 + STAY if i == self._previous else 1.0))
-
-    def _judged(self, arm: int) -> tuple[float, float]:
-        """A cap's rate and standard error, or, if higher, what it would have emitted in a larger cap's own
-        counted blocks over their seconds, where two standard errors above it (with that cap's relative
-        error). A smaller tree costs no more and keeps a prefix of the accepted path, so that is a floor on
-        its rate, from the same steps: no drift and no acceptance luck between the two, where a cap's own
-        few blocks can read 40% low."""
-        rate, error = self._estimate(arm)
-        for larger in range(arm + 1, len(self.arms)):
-            seconds = self._sums[larger][2]
-            if self._counted[larger] >= TRIES and self._reach[larger][arm] > rate * seconds:
-                top, top_error = self._estimate(larger)
-                floor = self._reach[larger][arm] / seconds
-                if floor * (1.0 - 2.0 * top_error / top) > rate:  # clearly higher: not a stale larger cap's luck
-                    rate, error = floor, floor * top_error / top
-        return rate, error
 
     def _handicap(self, arm: int) -> float:
         """What a cap's rate is weighed with: the plain step's raised by MARGIN."""
@@ -319,9 +285,9 @@ class AutoBudget:
         self._arm = self.rates.choose()
         return self.rates.arms[self._arm]
 
-    def observe(self, tokens: int, seconds: float, ranks=()) -> None:
+    def observe(self, tokens: int, seconds: float) -> None:
         if self._arm is not None:
-            self.rates.record(self._arm, tokens, seconds, ranks)
+            self.rates.record(self._arm, tokens, seconds)
             self._arm = None
 
     def summary(self) -> dict:

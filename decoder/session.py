@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..retriever.tree import CandidateTree
-from .cost import CURVE_SIZES, AutoBudget, CostCurve, FixedBudget, node_cap, path_ranks, prune_order
+from .cost import CURVE_SIZES, AutoBudget, CostCurve, FixedBudget, node_cap, prune_order
 from .errors import DecoderInputError, UnsupportedModelError
 from .gqa import copies_grouped_heads, grouped_query_attention
 from .policies import ExactGreedy, Policy, VerifiedTree
@@ -400,8 +400,7 @@ class SpeculativeSession:
         emitted = self._emit([verified.tokens[i] for i in path] + ([] if bonus is None else [bonus]))
         # the cache holds every emitted token but the last: fewer emitted (a stop, the length limit) keep fewer
         self.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
-        seconds = time.perf_counter() - start
-        self.budget.observe(len(emitted), seconds, path_ranks(tree, path) if path else ())
+        self.budget.observe(len(emitted), time.perf_counter() - start)
         if self.finished:
             self.stats.budget = self.budget.summary()
         self.stats.accepted_lengths.append(len(path))

@@ -161,38 +161,23 @@ def test_with_the_real_retriever(model, tmp_path):
     assert result.stats.tokens_per_forward > 2 and result.stats.retriever_errors == 0
 
 
-STEP_COST = {0: 1.0, 4: 1.1, 8: 1.2, 16: 1.6, 32: 2.2, 64: 3.2}  # a step's seconds over a plain step's
-
-
-def record_step(rates: ArmRates, arm: int, speed: dict, rng: np.random.Generator, slowed: float = 1.0) -> None:
-    """Record a step under cap `rates.arms[arm]` that emits `speed[cap]` tokens a second on average: its
-    seconds are STEP_COST[cap] plain steps' times `slowed`, and it accepts a Poisson number of nodes from
-    each band of ranks between two caps, so a smaller cap would have accepted those below it, as on a real
-    tree (the accepted path runs parent first, and a cap keeps the most probable nodes)."""
-    accepted = [speed[c] * STEP_COST[c] / speed[0] - 1.0 for c in ARMS]  # mean nodes accepted under each cap
-    ranks = []
-    for low, high, more in zip(ARMS, ARMS[1:arm + 1], np.diff(accepted)):
-        ranks += sorted(rng.integers(low, high, rng.poisson(max(more, 0.0))).tolist())
-    rates.record(arm, 1 + len(ranks), STEP_COST[ARMS[arm]] / speed[0] * slowed, ranks)
-
-
 def run_arms(rates: ArmRates, speed: dict, steps: int, noise: float = 0.0, stall: int | None = None,
              seed: int = 0, after_trees: float = 1.0, after_switch: float = 1.0) -> list[int]:
-    """Run `steps` steps with `record_step`, each under the cap `rates` chooses and its time times a
-    lognormal factor of spread `noise`; returns the caps run. Step number `stall` takes 1000x longer (a GC
-    pause, a preempted process); a plain step within BLOCK steps of a tree step takes `after_trees` times
-    longer (the sample's CPU: 1.14), and any step within BLOCK steps of a change of cap `after_switch`
-    times longer (a 2-thread full bench run: 1.06-1.15)."""
-    rng = np.random.default_rng(seed)
+    """Run `steps` steps, each under the cap `rates` chooses, at `speed[cap]` tokens a second (times a
+    lognormal factor of spread `noise`); returns the caps run. Step number `stall` takes 1000x longer
+    (a GC pause, a preempted process); a plain step within BLOCK steps of a tree step takes `after_trees`
+    times longer (the sample's CPU: 1.14), and any step within BLOCK steps of a change of cap
+    `after_switch` times longer (a 2-thread full bench run: 1.06-1.15)."""
+    draws = np.random.default_rng(seed).lognormal(0.0, noise, steps)
     caps, since_tree, since_switch = [], BLOCK, BLOCK
-    for step, factor in enumerate(rng.lognormal(0.0, noise, steps)):
+    for step, factor in enumerate(draws):
         arm = rates.choose()
         cap = rates.arms[arm]
         since_tree = 0 if cap else since_tree + 1
         since_switch = 0 if caps and cap != caps[-1] else since_switch + 1
         slowed = ((after_trees if cap == 0 and since_tree <= BLOCK else 1.0)
                   * (after_switch if since_switch < BLOCK else 1.0))
-        record_step(rates, arm, speed, rng, (1000 if step == stall else 1) * slowed * factor)
+        rates.record(arm, 1, (1000 if step == stall else 1) * slowed * factor / speed[cap])
         caps.append(cap)
     return caps
 
@@ -211,10 +196,10 @@ def test_auto_runs_the_fastest_cap():
         late = caps[4000:]
         assert caps[:BLOCK] == [8] * BLOCK and sum(c in never for c in caps) < 0.01 * len(caps), speed
         assert not never & set(late), speed
-        assert late.count(best) / len(late) > 0.8 and rates.summary()["fastest"] == best, speed
-        # exploring costs less than a tenth of the difference to the next best, and 2% (a step's tokens vary)
+        assert late.count(best) / len(late) > 0.85 and rates.summary()["fastest"] == best, speed
+        # exploring costs less than a tenth of the difference to the next best
         runner_up = sorted(speed.values())[-2]
-        assert sum(speed[best] / speed[c] for c in late) / len(late) < 1 + 0.1 * (speed[best] / runner_up - 1) + 0.02
+        assert sum(speed[best] / speed[c] for c in late) / len(late) < 1 + 0.1 * (speed[best] / runner_up - 1) + 0.01
 
 
 def test_auto_shares_near_equal_caps_and_shrugs_off_outliers():
@@ -246,28 +231,14 @@ def test_auto_recovers_a_tree_cap_after_an_unlucky_start():
     # once the caps next to it have been (before, only a recheck 512 blocks later brought it back)
     close = {0: 80, 4: 140, 8: 150, 16: 120, 32: 110, 64: 100}
     for speed, slow in ((valley, 2.0), (close, 1.5)):
-        rates, caps, rng = ArmRates(), [], np.random.default_rng(0)
+        rates, caps = ArmRates(), []
         for step in range(12000):
             arm = rates.choose()
-            record_step(rates, arm, speed, rng, slow if step < 3 * BLOCK else 1.0)
-            caps.append(rates.arms[arm])
+            cap = rates.arms[arm]
+            rates.record(arm, 1, (slow if step < 3 * BLOCK else 1.0) / speed[cap])
+            caps.append(cap)
         assert caps[:3 * BLOCK] == [8] * 3 * BLOCK, speed
         assert caps[1000:3000].count(8) > 0.8 * 2000 and caps[8000:].count(8) > 0.8 * 4000, speed
-
-
-def test_auto_knows_a_smaller_cap_from_a_larger_caps_steps():
-    # 4 nodes the fastest, but its first blocks 1.8x slower (a neighbour's burst), so it reads slower than 8
-    # and would run only in rechecks. What 4 nodes would have accepted in 8's own steps, in 8's seconds, is
-    # a floor on its rate (a smaller tree costs no more), within 2% of 8's: it is run again and takes over
-    speed = {0: 100, 4: 150, 8: 140, 16: 110, 32: 100, 64: 90}
-    for seed in range(3):
-        rates, caps, rng = ArmRates(seed=seed), [], np.random.default_rng(seed)
-        for step in range(6000):
-            arm = rates.choose()
-            cap = rates.arms[arm]
-            record_step(rates, arm, speed, rng, 1.8 if cap == 4 and caps.count(4) < 3 * BLOCK else 1.0)
-            caps.append(cap)
-        assert caps[2000:].count(4) > 0.8 * 4000, seed
 
 
 def test_auto_prefers_plain_steps_to_a_tree_that_barely_pays():
