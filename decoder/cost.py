@@ -41,12 +41,9 @@ BLOCK_CV = 0.1  # the least spread assumed of a block's tokens per second: a rat
 # steps emit one token each and their blocks vary by ~5%; 0.25 kept trees tried in 7% of lossless sampling steps)
 RECHECK = 128  # blocks after which a cap in the running runs again, however slow it looked: a cap measured only
 # at the start (a cold process: the first cap once read 25% slow and was never run again) or before the target
-# or machine changed. For a cap not CLOSE to the fastest tree cap, and where plain steps lead, where rechecks
-# are the only way trees run (Thompson draws among trees within a few % of plain steps ran them in 28% of
-# lossless sampling's steps and cost 2.6% against a control; rechecks every 128 blocks, 1-2%): half as many
-# blocks as have run in all, from 32 up to 4x RECHECK. Early readings are the least sure and the most often
-# cold, and a bench run gives a policy 450-950 blocks: a fixed 512 left a cap that read slow in the first
-# utterances unrun for most of it
+# or machine changed. 4x as many for a cap not CLOSE to the fastest tree cap, and where plain steps lead, where
+# rechecks are the only way trees run (Thompson draws among trees within a few % of plain steps ran them in
+# 28% of lossless sampling's steps and cost 2.6% against a control; rechecks every 128 blocks, 1-2%)
 CLOSE = 0.8  # a cap within 20% of the fastest one's weighed rate is close to it
 MARGIN = 0.04  # a tree cap must look 4% faster than plain steps: plain steps cost nothing to get wrong (the
 # retriever is not asked), and within 5% of the fastest cap is close enough
@@ -127,9 +124,9 @@ class ArmRates:
     blocks), with a standard error from the blocks' spread. A block right after another cap's is a warm-up
     and not counted (`_close_block`). Each block runs the plain step (cap 0) or one of the caps next to the
     fastest tree cap so far (one size smaller, the same, one larger): one not yet counted TRIES times, or
-    not run for RECHECK blocks (unless within 20% of a tree cap that is the fastest: for half the blocks run
-    so far, 32 to 4x RECHECK), else the plain step if it is the fastest, else the one whose rate, drawn from
-    a normal around its estimate with that standard error, is highest (Thompson sampling). The plain step's rate counts MARGIN higher, in
+    not run for RECHECK blocks (4x as many unless within 20% of a tree cap that is the fastest), else the
+    plain step if it is the fastest, else the one whose rate, drawn from a normal around its estimate with
+    that standard error, is highest (Thompson sampling). The plain step's rate counts MARGIN higher, in
     choosing the fastest and in the draw, and the cap that ran last STAY higher in the draw. The first cap
     is measured again once the caps next to it have been: its first blocks ran in a cold process.
 
@@ -234,8 +231,8 @@ class ArmRates:
         if untried:
             return untried[0]
         tree_fastest, top = self.arms[self._best] > 0, weighed[self._best]
-        stale = [i for i in near if self._count - self._last[i] > (
-            RECHECK if tree_fastest and weighed[i] > CLOSE * top else min(4 * RECHECK, max(32, self._count // 2)))]
+        stale = [i for i in near if self._count - self._last[i]
+                 > (RECHECK if tree_fastest and weighed[i] > CLOSE * top else 4 * RECHECK)]
         if stale:
             return stale[0]
         if not tree_fastest:  # plain steps lead: trees run only in rechecks
