@@ -115,9 +115,9 @@ class SpeculativeSession:
     `speech_embedding` (a table or callable) embeds generated tokens when they have their own table.
     `min_length_stop_ids` are the stop ids masked while fewer than `min_new_tokens` are generated (None:
     all of them, as Hugging Face does; CosyVoice masks only its first, see `presets`).
-    `max_nodes` is "auto" (the default): each step runs the node cap (0: no retriever call, 4, 8, ... 64)
-    measured to give the most tokens per second of wall-clock so far, per model, retriever, policy kind
-    and store kind; see `cost.ArmRates`. An int pins the cap. A retriever that raises or takes longer than
+    `max_nodes` is "auto" (the default): each utterance runs one node cap (0: no retriever call, 4, 8, ... 64),
+    the one measured to give the most tokens per second of wall-clock so far, per model, retriever, policy
+    kind and store kind, or one that might; see `cost.ArmRates`. An int pins the cap. A retriever that raises or takes longer than
     `retriever_timeout` seconds makes that step autoregressive. `generated` holds the model ids emitted so far.
     """
 
@@ -391,7 +391,7 @@ class SpeculativeSession:
             raise DecoderInputError("call prefill() before step()")
         if self.cached >= self.max_positions:
             self.finished = True
-            self.stats.budget = self.budget.summary()
+            self._close_budget()
             return []
         start = time.perf_counter()
         tree = self.propose()
@@ -402,12 +402,16 @@ class SpeculativeSession:
         self.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
         self.budget.observe(len(emitted), time.perf_counter() - start)
         if self.finished:
-            self.stats.budget = self.budget.summary()
+            self._close_budget()
         self.stats.accepted_lengths.append(len(path))
         self.stats.node_budgets.append(len(tree))
         return emitted
 
     # ---- bookkeeping --------------------------------------------------------------------------------
+
+    def _close_budget(self) -> None:
+        self.budget.finish()
+        self.stats.budget = self.budget.summary()
 
     def _state_at(self, path_tokens: list[int]) -> NodeState:
         """The sampler's view at the position after the emitted tokens and `path_tokens`."""
