@@ -5,7 +5,8 @@ on a CPU it jumps at N = 1 (a 2-row matrix multiply costs about twice a 1-row on
 slowly, and a step also pays for the retriever's call, the mask, the policy's walk over the tree and
 the cache compaction, which no forward-time curve shows. A session's budget has three calls:
 `nodes()` (this step's cap; 0: do not ask the retriever), `observe(tokens, seconds)` (what the
-whole step emitted and took) and `finish()` (the utterance ended). `FixedBudget` keeps the N most probable nodes of every tree.
+whole step emitted and took) and `finish()` (the utterance ended). `FixedBudget` keeps the N most
+probable nodes of every tree.
 `AutoBudget` (max_nodes="auto", the default) measures instead of predicting: each utterance (a stint)
 runs one of the caps in ARMS from its first step to its last, `ArmRates` keeps each cap's tokens per second of
 wall-clock over its stints and how sure that is, and the next utterances run the fastest, trying the others as

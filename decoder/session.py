@@ -115,10 +115,11 @@ class SpeculativeSession:
     `speech_embedding` (a table or callable) embeds generated tokens when they have their own table.
     `min_length_stop_ids` are the stop ids masked while fewer than `min_new_tokens` are generated (None:
     all of them, as Hugging Face does; CosyVoice masks only its first, see `presets`).
-    `max_nodes` is "auto" (the default): each utterance runs one node cap (0: no retriever call, 4, 8, ... 64),
-    the one measured to give the most tokens per second of wall-clock so far, per model, retriever, policy
-    kind and store kind, or one that might; see `cost.ArmRates`. An int pins the cap. A retriever that raises or takes longer than
-    `retriever_timeout` seconds makes that step autoregressive. `generated` holds the model ids emitted so far.
+    `max_nodes` is "auto" (the default): each utterance runs one node cap (0: no retriever call, 4, 8, ...
+    64), the one measured to give the most tokens per second of wall-clock so far, per model, retriever,
+    policy kind and store kind, or one that might; see `cost.ArmRates`. An int pins the cap. A retriever that
+    raises or takes longer than `retriever_timeout` seconds makes that step autoregressive. `generated` holds
+    the model ids emitted so far.
     """
 
     def __init__(self, model, retriever=None, policy: Policy | None = None, *, head=None,
