@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import threading
 import weakref
 from dataclasses import asdict, dataclass
@@ -173,9 +174,8 @@ class ArmRates:
         """A stint under cap `arms[arm]` emitted `tokens` tokens in steps that took `seconds`."""
         if not seconds:
             return
-        steps = sorted(seconds)
-        cap = OUTLIER * (steps[(len(steps) - 1) // 2] + steps[len(steps) // 2]) / 2
-        t, s = float(tokens), sum(min(step, cap) for step in steps)
+        cap = OUTLIER * statistics.median(seconds)
+        t, s = float(tokens), sum(min(step, cap) for step in seconds)
         with self._lock:
             self.steps[arm] += len(seconds)
             self._counted[arm] += 1
