@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -246,6 +247,17 @@ def save_figure(fig, path: Path, dpi: int = 110) -> None:
     with atomic_file(path, "wb") as f:
         fig.savefig(f, format="png", dpi=dpi)
     plt.close(fig)
+
+
+def write_results(out_dir, stem: str, results, plot) -> str:
+    """Write `results` as `out_dir/stem.json` and draw them with `plot(results, out_dir/stem.png)`, each to a
+    temporary file renamed into place; returns the line a command prints."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out / f"{stem}.json") as f:
+        json.dump(results, f, indent=1)
+    plot(results, out / f"{stem}.png")
+    return f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}"
 
 
 def pyplot():

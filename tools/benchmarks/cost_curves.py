@@ -15,14 +15,12 @@ then each tree size's forward time relative to it — and writes cost_curves.jso
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from pathlib import Path
 
 import click
 
-from ...datastore.files import atomic_file
-from ..bench.harness import DTYPES, copying_grouped_heads, measure_cost_curve, pyplot, save_figure
+from ..bench.harness import DTYPES, copying_grouped_heads, measure_cost_curve, pyplot, save_figure, write_results
 from ..cli.options import out_option
 
 SHAPES = {
@@ -144,12 +142,7 @@ def main(shapes, dtypes, threads, variants, context, repeats, device, out_dir) -
     rows = run(_names(shapes, ("sample", *SHAPES)), _names(dtypes, DTYPES), [int(t) for t in _names(threads)],
                _names(variants, ("mkldnn", "repeat-kv", "compile")) if variants else [], context, repeats, device,
                click.echo)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_file(out / "cost_curves.json") as f:
-        json.dump(rows, f, indent=1)
-    plot(rows, out / "cost_curves.png")
-    click.echo(f"wrote {out / 'cost_curves.json'} and {out / 'cost_curves.png'}")
+    click.echo(write_results(out_dir, "cost_curves", rows, plot))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,239 @@
+"""Replay the "auto" node budget on recorded decode steps: how close it comes to the best fixed cap, over
+hundreds of runs instead of one.
+
+    python -m echospec.tools.benchmarks.auto_replay record tools/sample/model --store runs/voices \\
+        --prompts tools/sample/prompts.jsonl --policy filtered --stores speaker --threads 2 \\
+        --out runs/replay/filtered-speaker-2.json
+    python -m echospec.tools.benchmarks.auto_replay replay runs/replay/*.json --out runs/replay
+
+Why: one `echospec bench` run gives "auto" 120 utterances, and on a shared CPU one utterance's time per token
+moves 15-20% from one run of it to the next (the same prompt, cap and tokens, seconds apart). So one run cannot
+say whether "auto" comes within 5% of the best fixed cap: the next run's answer differs.
+
+`record` decodes every prompt under every cap "auto" chooses among (`decoder.cost.ARMS`), `--repeats` times
+each, in a fresh random order per prompt, and keeps what the budget sees of each step: the tokens it emitted
+and its seconds. `replay` then runs the budget's own `ArmRates` over the prompts in their recorded order, many
+times. Each utterance's stint is one recording of the cap "auto" chose (drawn at random), and every fixed cap
+is scored on another recording of the same prompt, as the bench's separate runs are; "paired" scores them on
+the same recording instead, which leaves only "auto"'s choices. Per recording it reports "auto"'s speed over
+the best fixed cap (geometric mean over the replays, its 5th percentile, the share of replays within 5%), over
+plain steps, and the share of utterances at each cap; `replay.png` shows the spread.
+
+What it leaves out: a live run's cold start, and the other work a live run does between "auto"'s utterances
+(a bench's other systems, a server's other stages). On the sample at 1 thread that work gave plain steps a slow
+tail which a recording of caps alone does not have, so the replay flattered a rate that left slow steps out
+(the README's "Results"): judge a change to `ArmRates` live as well.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import click
+
+from ...datastore.files import atomic_file
+from ...decoder.cost import ARMS, ArmRates, FixedBudget
+from ..bench.harness import POLICIES, BenchError, pin_threads, pyplot, save_figure, write_results
+from ..cli.errors import fail_cleanly
+from ..cli.options import limit_option, out_option, threads_option
+
+WITHIN = 0.95  # the issue's bar: within 5% of the best fixed cap
+
+
+class StepLog(FixedBudget):
+    """A fixed cap that keeps what each step emitted and took (what "auto" would have counted)."""
+
+    def __init__(self, cap: int):
+        super().__init__(cap)
+        self.tokens: list[int] = []
+        self.seconds: list[float] = []
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.tokens.append(tokens)
+        self.seconds.append(seconds)
+
+
+def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", repeats: int = 2,
+           limit: int | None = None, max_new_tokens: int = 400, seed: int = 0, progress: bool = True) -> dict:
+    """Decode each prompt under every cap in ARMS, `repeats` times in a shuffled order, keeping each step's
+    tokens and seconds. `stores`: "speaker" (the prompt's speaker's store) or "general"."""
+    from tqdm import tqdm
+
+    from ...decoder import SpeculativeSession
+    from ...retriever import Retriever
+    from ..bench.compare import load_model, load_prompts, speech_vocab
+    from ..bench.harness import RelaxedSettings, make_policy
+
+    if stores not in ("speaker", "general"):
+        raise BenchError(f"--stores must be speaker or general, got {stores!r}")
+    if policy not in POLICIES:
+        raise BenchError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    model, meta = load_model(checkpoint)
+    retriever = Retriever(store)
+    speech = speech_vocab(meta, retriever.datastore, model)
+    prompts = load_prompts(prompts, meta, limit)
+    relaxed = RelaxedSettings.for_vocabulary(speech.size)
+
+    def decode(prompt, index: int, cap: int) -> dict:
+        session = SpeculativeSession(model, retriever, make_policy(policy, index, relaxed), speech=speech,
+                                     speaker=prompt.speaker if stores == "speaker" else None,
+                                     max_new_tokens=max_new_tokens, max_nodes=cap)
+        session.budget = log = StepLog(cap)
+        session.prefill(**prompt.inputs())
+        while not session.finished:
+            session.step()
+        return {"prompt": prompt.id, "cap": cap, "tokens": log.tokens, "seconds": log.seconds}
+
+    for cap in ARMS:  # untimed: first calls compile and allocate
+        decode(prompts[0], 0, cap)
+    order, runs = random.Random(seed), []
+    for index, prompt in enumerate(tqdm(prompts, desc=f"record {policy}/{stores}", unit="prompt",
+                                        disable=not progress)):
+        caps = list(ARMS) * repeats
+        order.shuffle(caps)
+        runs += [decode(prompt, index, cap) for cap in caps]
+    import torch
+
+    return {"policy": policy, "stores": stores, "threads": torch.get_num_threads(), "arms": list(ARMS),
+            "repeats": repeats, "checkpoint": str(checkpoint), "runs": runs}
+
+
+def replay(recording: dict, replays: int = 200, make_rates=ArmRates, seed: int = 0) -> dict:
+    """Run `make_rates(seed=...)` (default: "auto"'s ArmRates) over the recording's prompts in order, `replays`
+    times; "auto" against every fixed cap, scored on another recording of each prompt and on the same one."""
+    utterances = defaultdict(list)  # (prompt, cap) -> [(tokens, seconds), ...]: one entry per recorded utterance
+    for run in recording["runs"]:
+        utterances[run["prompt"], run["cap"]].append((sum(run["tokens"]), run["seconds"]))
+    prompts = list(dict.fromkeys(run["prompt"] for run in recording["runs"]))
+    caps = sorted({cap for _, cap in utterances})
+    if min(len(u) for u in utterances.values()) < 2 or len(utterances) < len(prompts) * len(caps):
+        raise BenchError("a replay needs every prompt recorded at least twice under every cap (--repeats 2)")
+    runs = [_replay_once(utterances, prompts, make_rates(seed=seed + r), random.Random(seed + r))
+            for r in range(replays)]
+    fixed = _rates({cap: [u for (_, c), recorded in utterances.items() if c == cap for u in recorded] for cap in caps})
+    best = max(rate for cap, rate in fixed.items() if cap > 0)
+    shares = Counter(cap for run in runs for cap in run["caps"])
+    return {"policy": recording["policy"], "stores": recording["stores"], "threads": recording["threads"],
+            "prompts": len(prompts), "replays": replays,
+            "fixed_over_best": {str(cap): rate / best for cap, rate in fixed.items()},
+            "auto_over_best": _spread([run["over_best"] for run in runs]),
+            "auto_over_best_paired": _spread([run["over_best_paired"] for run in runs]),
+            "auto_over_plain": _spread([run["over_plain"] for run in runs]),
+            "caps": {str(cap): shares[cap] / sum(shares.values()) for cap in caps},
+            "separate": [run["over_best"] for run in runs]}
+
+
+def _replay_once(utterances: dict, prompts: list, rates, draw: random.Random) -> dict:
+    """One run of `rates` over `prompts`: each stint one recording of the cap chosen, each fixed cap scored on
+    another recording of the prompt (`other`) and on the same one (`same`)."""
+    caps = sorted({cap for _, cap in utterances})
+    if set(rates.arms) - set(caps):
+        raise BenchError(f"the recording has no utterances under caps {sorted(set(rates.arms) - set(caps))}")
+    chosen, auto, other, same = [], [], defaultdict(list), defaultdict(list)
+    for prompt in prompts:
+        arm = rates.choose()
+        recorded = utterances[prompt, rates.arms[arm]]
+        k = draw.randrange(len(recorded))
+        rates.record(arm, *recorded[k])
+        chosen.append(rates.arms[arm])
+        auto.append(recorded[k])
+        for cap in caps:
+            recorded = utterances[prompt, cap]
+            same[cap].append(recorded[k])
+            other[cap].append(recorded[(k + 1 + draw.randrange(len(recorded) - 1)) % len(recorded)])
+    rate, other, same = _rates({"auto": auto})["auto"], _rates(other), _rates(same)
+    return {"caps": chosen, "over_best": rate / max(v for cap, v in other.items() if cap > 0),
+            "over_best_paired": rate / max(v for cap, v in same.items() if cap > 0),
+            "over_plain": rate / other[0] if 0 in other else float("nan")}
+
+
+def _rates(utterances: dict) -> dict:
+    """Tokens per second of wall-clock over each key's utterances [(tokens, step seconds), ...]."""
+    return {key: sum(t for t, _ in runs) / sum(sum(s) for _, s in runs) for key, runs in utterances.items()}
+
+
+def _spread(ratios: list[float]) -> dict:
+    ordered = sorted(ratios)
+    return {"geomean": math.exp(sum(map(math.log, ordered)) / len(ordered)),
+            "p05": ordered[int(0.05 * (len(ordered) - 1))], "within_5pct": sum(r >= WITHIN for r in ordered) / len(ordered)}
+
+
+def format_row(name: str, result: dict) -> str:
+    a, p, o = result["auto_over_best"], result["auto_over_best_paired"], result["auto_over_plain"]
+    fixed = " ".join(f"{cap}:{v:.3f}" for cap, v in result["fixed_over_best"].items())
+    caps = " ".join(f"{cap}:{v:.2f}" for cap, v in result["caps"].items())
+    return (f"{name:32} auto/best {a['geomean']:.3f} (p05 {a['p05']:.3f}, within 5% in {a['within_5pct']:.0%}) "
+            f"paired {p['geomean']:.3f}  /plain {o['geomean']:.3f} | fixed/best {fixed} | auto's caps {caps}")
+
+
+def plot(results: dict, path: Path) -> None:
+    plt = pyplot()
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names) + 2), 4.5))
+    ax.boxplot([results[n]["separate"] for n in names], whis=(5, 95), showfliers=False)
+    ax.set_xticks(range(1, len(names) + 1), names, rotation=30, ha="right", fontsize=7)
+    ax.axhline(WITHIN, color="firebrick", linestyle="--", label="within 5% of the best fixed cap")
+    ax.axhline(1.0, color="grey", linestyle=":")
+    ax.set(ylabel='"auto" / best fixed cap (tokens per second)',
+           title=f'"auto" replayed, {results[names[0]]["replays"]} runs each (whiskers: 5-95%)')
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+@click.group()
+def main() -> None:
+    """Record decode steps under every cap, and replay "auto" on them."""
+
+
+@main.command("record")
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--store", required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--policy", required=True, help="exact-greedy, exact-sampling, filtered, tolerance or similarity.")
+@click.option("--stores", default="speaker", show_default=True, type=click.Choice(["speaker", "general"]))
+@click.option("--repeats", default=2, show_default=True, type=click.IntRange(2))
+@click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
+@limit_option()
+@threads_option
+@click.option("--out", "out_file", required=True, type=click.Path(dir_okay=False), help="The recording (JSON).")
+@fail_cleanly
+def record_command(checkpoint, store, prompts, policy, stores, repeats, max_new_tokens, limit, threads, out_file):
+    """Decode every prompt under every cap "auto" chooses among, keeping each step's tokens and seconds."""
+    pin_threads(threads)
+    recording = record(checkpoint, store, prompts, policy=policy, stores=stores, repeats=repeats, limit=limit,
+                       max_new_tokens=max_new_tokens)
+    Path(out_file).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(Path(out_file)) as f:
+        json.dump(recording, f)
+    click.echo(f"wrote {out_file}: {len(recording['runs'])} utterances")
+
+
+@main.command("replay")
+@click.argument("recordings", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--replays", default=200, show_default=True, type=click.IntRange(1))
+@out_option("runs/replay")
+@fail_cleanly
+def replay_command(recordings, replays, out_dir):
+    """Replay "auto" on each recording; writes replay.json and replay.png under --out."""
+    results = {}
+    for path in recordings:
+        try:
+            recording = json.loads(Path(path).read_text())
+            name = f"{recording['policy']}/{recording['stores']}/{recording['threads']}t"
+            name = name if name not in results else f"{name} ({Path(path).stem})"
+            results[name] = replay(recording, replays)
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise click.ClickException(f"{path}: not a recording from `auto_replay record` ({e})") from None
+        except BenchError as e:
+            raise click.ClickException(f"{path}: {e}") from None
+        click.echo(format_row(name, results[name]))
+    click.echo(write_results(out_dir, "replay", results, plot))
+
+
+if __name__ == "__main__":
+    main()
