@@ -61,6 +61,7 @@ def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", 
            limit: int | None = None, max_new_tokens: int = 400, seed: int = 0, progress: bool = True) -> dict:
     """Decode each prompt under every cap in ARMS, `repeats` times in a shuffled order, keeping each step's
     tokens and seconds. `stores`: "speaker" (the prompt's speaker's store) or "general"."""
+    import torch
     from tqdm import tqdm
 
     from ...decoder import SpeculativeSession
@@ -96,8 +97,6 @@ def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", 
         caps = list(ARMS) * repeats
         order.shuffle(caps)
         runs += [decode(prompt, index, cap) for cap in caps]
-    import torch
-
     return {"policy": policy, "stores": stores, "threads": torch.get_num_threads(), "arms": list(ARMS),
             "repeats": repeats, "checkpoint": str(checkpoint), "runs": runs}
 
