@@ -1,6 +1,7 @@
 """tools/benchmarks/auto_replay.py: recording every cap's steps on the shipped sample, and replaying "auto" on them."""
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -40,11 +41,13 @@ class Pinned:
 
 
 def test_record_then_replay_on_the_sample(sample_store, tmp_path):
+    before = dict(os.environ)
     recording = tmp_path / "greedy.json"
     result = CliRunner().invoke(auto_replay.main, [
         "record", str(SAMPLE_MODEL_DIR), "--store", str(sample_store), "--prompts", str(SAMPLE_PROMPTS),
         "--policy", "exact-greedy", "--limit", "3", "--out", str(recording)])
     assert result.exit_code == 0, result.output
+    assert dict(os.environ) == before  # threads set for this process's torch only, as `echospec bench` does
     runs = json.loads(recording.read_text())["runs"]
     assert len(runs) == 3 * len(ARMS) * 2
     for prompt in {r["prompt"] for r in runs}:

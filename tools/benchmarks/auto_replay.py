@@ -37,7 +37,7 @@ import click
 
 from ...datastore.files import atomic_file
 from ...decoder.cost import ARMS, ArmRates, FixedBudget
-from ..bench.harness import POLICIES, BenchError, pin_threads, pyplot, save_figure, write_results
+from ..bench.harness import POLICIES, BenchError, pyplot, save_figure, write_results
 from ..cli.errors import fail_cleanly
 from ..cli.options import limit_option, out_option, threads_option
 
@@ -58,9 +58,11 @@ class StepLog(FixedBudget):
 
 
 def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", repeats: int = 2,
-           limit: int | None = None, max_new_tokens: int = 400, seed: int = 0, progress: bool = True) -> dict:
+           limit: int | None = None, max_new_tokens: int = 400, threads: int = 1, seed: int = 0,
+           progress: bool = True) -> dict:
     """Decode each prompt under every cap in ARMS, `repeats` times in a shuffled order, keeping each step's
-    tokens and seconds. `stores`: "speaker" (the prompt's speaker's store) or "general"."""
+    tokens and seconds, with `threads` torch threads (as `echospec bench` runs). `stores`: "speaker" (the
+    prompt's speaker's store) or "general"."""
     import torch
     from tqdm import tqdm
 
@@ -73,6 +75,7 @@ def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", 
         raise BenchError(f"--stores must be speaker or general, got {stores!r}")
     if policy not in POLICIES:
         raise BenchError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    torch.set_num_threads(threads)
     model, meta = load_model(checkpoint)
     retriever = Retriever(store)
     speech = speech_vocab(meta, retriever.datastore, model)
@@ -97,7 +100,7 @@ def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", 
         caps = list(ARMS) * repeats
         order.shuffle(caps)
         runs += [decode(prompt, index, cap) for cap in caps]
-    return {"policy": policy, "stores": stores, "threads": torch.get_num_threads(), "arms": list(ARMS),
+    return {"policy": policy, "stores": stores, "threads": threads, "arms": list(ARMS),
             "repeats": repeats, "checkpoint": str(checkpoint), "runs": runs}
 
 
@@ -203,9 +206,8 @@ def main() -> None:
 @fail_cleanly
 def record_command(checkpoint, store, prompts, policy, stores, repeats, max_new_tokens, limit, threads, out_file):
     """Decode every prompt under every cap "auto" chooses among, keeping each step's tokens and seconds."""
-    pin_threads(threads)
     recording = record(checkpoint, store, prompts, policy=policy, stores=stores, repeats=repeats, limit=limit,
-                       max_new_tokens=max_new_tokens)
+                       max_new_tokens=max_new_tokens, threads=threads)
     Path(out_file).parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(Path(out_file)) as f:
         json.dump(recording, f)
