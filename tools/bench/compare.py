@@ -14,6 +14,7 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -177,6 +178,31 @@ def load_model(checkpoint):
     except (OSError, ValueError) as e:
         raise BenchError(f"{checkpoint}: not a Hugging Face causal LM checkpoint ({str(e).splitlines()[0]})") from None
     return model.eval(), None
+
+
+class DecodeInputs(NamedTuple):
+    """What a developer benchmark decodes with (see `decode_inputs`)."""
+
+    model: object
+    retriever: object
+    speech: object  # the model's SpeechVocab
+    prompts: list[Prompt]
+    relaxed: RelaxedSettings
+
+
+def decode_inputs(checkpoint, store, prompts, limit: int | None = None, threads: int = 1) -> DecodeInputs:
+    """The model, retriever, speech ids, prompts and relaxed policies' settings for `checkpoint`, `store` and
+    `prompts`, with `threads` torch threads (the defaults `bench` takes when given no options)."""
+    import torch
+
+    from ...retriever import Retriever
+
+    torch.set_num_threads(threads)
+    model, meta = load_model(checkpoint)
+    retriever = Retriever(store)
+    speech = speech_vocab(meta, retriever.datastore, model)
+    return DecodeInputs(model, retriever, speech, load_prompts(prompts, meta, limit),
+                        RelaxedSettings.for_vocabulary(speech.size))
 
 
 def speech_vocab(meta: TTSMeta | None, datastore, model, speech_offset=None, vocab_size=None, stop_ids=()):

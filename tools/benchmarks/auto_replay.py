@@ -63,24 +63,17 @@ def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", 
     """Decode each prompt under every cap in ARMS, `repeats` times in a shuffled order, keeping each step's
     tokens and seconds, with `threads` torch threads (as `echospec bench` runs). `stores`: "speaker" (the
     prompt's speaker's store) or "general"."""
-    import torch
     from tqdm import tqdm
 
     from ...decoder import SpeculativeSession
-    from ...retriever import Retriever
-    from ..bench.compare import load_model, load_prompts, speech_vocab
-    from ..bench.harness import RelaxedSettings, make_policy
+    from ..bench.compare import decode_inputs
+    from ..bench.harness import make_policy
 
     if stores not in ("speaker", "general"):
         raise BenchError(f"--stores must be speaker or general, got {stores!r}")
     if policy not in POLICIES:
         raise BenchError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    torch.set_num_threads(threads)
-    model, meta = load_model(checkpoint)
-    retriever = Retriever(store)
-    speech = speech_vocab(meta, retriever.datastore, model)
-    prompts = load_prompts(prompts, meta, limit)
-    relaxed = RelaxedSettings.for_vocabulary(speech.size)
+    model, retriever, speech, prompts, relaxed = decode_inputs(checkpoint, store, prompts, limit, threads)
 
     def decode(prompt, index: int, cap: int) -> dict:
         session = SpeculativeSession(model, retriever, make_policy(policy, index, relaxed), speech=speech,
@@ -114,7 +107,7 @@ def replay(recording: dict, replays: int = 200, make_rates=ArmRates, seed: int =
     caps = sorted({cap for _, cap in utterances})
     if min(len(u) for u in utterances.values()) < 2 or len(utterances) < len(prompts) * len(caps):
         raise BenchError("a replay needs every prompt recorded at least twice under every cap (--repeats 2)")
-    runs = [_replay_once(utterances, prompts, make_rates(seed=seed + r), random.Random(seed + r))
+    runs = [_replay_once(utterances, prompts, caps, make_rates(seed=seed + r), random.Random(seed + r))
             for r in range(replays)]
     fixed = _rates({cap: [u for (_, c), recorded in utterances.items() if c == cap for u in recorded] for cap in caps})
     best = max(rate for cap, rate in fixed.items() if cap > 0)
@@ -129,10 +122,9 @@ def replay(recording: dict, replays: int = 200, make_rates=ArmRates, seed: int =
             "separate": [run["over_best"] for run in runs]}
 
 
-def _replay_once(utterances: dict, prompts: list, rates, draw: random.Random) -> dict:
-    """One run of `rates` over `prompts`: each stint one recording of the cap chosen, each fixed cap scored on
-    another recording of the prompt (`other`) and on the same one (`same`)."""
-    caps = sorted({cap for _, cap in utterances})
+def _replay_once(utterances: dict, prompts: list, caps: list, rates, draw: random.Random) -> dict:
+    """One run of `rates` over `prompts`: each stint one recording of the cap chosen, each fixed cap of `caps`
+    scored on another recording of the prompt (`other`) and on the same one (`same`)."""
     if set(rates.arms) - set(caps):
         raise BenchError(f"the recording has no utterances under caps {sorted(set(rates.arms) - set(caps))}")
     chosen, auto, other, same = [], [], defaultdict(list), defaultdict(list)

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...datastore.files import atomic_file
 from ...decoder.gqa import SWITCH
-from ..bench.harness import (POLICIES, RelaxedSettings, System, balanced_order, copying_grouped_heads, echospec_run,
+from ..bench.harness import (POLICIES, System, balanced_order, copying_grouped_heads, echospec_run,
                              make_policy, warm_up)
 from ..bench.quality import median_ratio_ci, ratio_of_medians_ci
 from ..cli.options import limit_option, out_option, threads_option
@@ -43,17 +43,11 @@ def compare(store, nodes: int = 8, policy: str = "exact-sampling", limit: int | 
     the KV cache per query head; the report as a dict."""
     import torch
 
-    from ...retriever import Retriever
-    from ..bench.compare import load_model, load_prompts, speech_vocab
+    from ..bench.compare import decode_inputs
 
     if SWITCH in os.environ:
         raise click.UsageError(f"unset {SWITCH}: this benchmark sets it per system")
-    torch.set_num_threads(threads)
-    model, meta = load_model(SAMPLE_MODEL_DIR)
-    retriever = Retriever(store)
-    speech = speech_vocab(meta, retriever.datastore, model)
-    prompts = load_prompts(SAMPLE_PROMPTS, meta, limit)
-    relaxed = RelaxedSettings.for_vocabulary(speech.size)
+    model, retriever, speech, prompts, relaxed = decode_inputs(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS, limit, threads)
 
     def chosen(seed_):
         return make_policy(policy, seed_, relaxed)
