@@ -65,6 +65,21 @@ def test_record_then_replay_on_the_sample(sample_store, tmp_path):
     assert (tmp_path / "out" / "replay.png").stat().st_size > 5_000
 
 
+def test_record_in_bfloat16_and_on_a_device_that_is_not_there(sample_store, tmp_path):
+    args = ["record", str(SAMPLE_MODEL_DIR), "--store", str(sample_store), "--prompts", str(SAMPLE_PROMPTS),
+            "--policy", "filtered", "--limit", "1", "--repeats", "2"]
+    recording = tmp_path / "bf16.json"
+    result = CliRunner().invoke(auto_replay.main, args + ["--dtype", "bfloat16", "--out", str(recording)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(recording.read_text())["dtype"] == "bfloat16"
+    result = CliRunner().invoke(auto_replay.main, ["replay", str(recording), "--replays", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 0 and "filtered/speaker/1t/bfloat16" in result.output, result.output
+    missing = tmp_path / "missing.json"
+    result = CliRunner().invoke(auto_replay.main, args + ["--device", "nope", "--out", str(missing)])
+    assert result.exit_code == 1 and "cannot put the model on 'nope'" in result.output and not missing.exists()
+    assert "Traceback" not in result.output
+
+
 def test_record_rejects_an_unknown_policy(sample_store, tmp_path):
     out = tmp_path / "fastest.json"
     result = CliRunner().invoke(auto_replay.main, [

@@ -190,15 +190,18 @@ class DecodeInputs(NamedTuple):
     relaxed: RelaxedSettings
 
 
-def decode_inputs(checkpoint, store, prompts, limit: int | None = None, threads: int = 1) -> DecodeInputs:
-    """The model, retriever, speech ids, prompts and relaxed policies' settings for `checkpoint`, `store` and
-    `prompts`, with `threads` torch threads (the defaults `bench` takes when given no options)."""
+def decode_inputs(checkpoint, store, prompts, limit: int | None = None, threads: int = 1, device: str = "cpu",
+                  dtype: str = "float32") -> DecodeInputs:
+    """The model (on `device`, in `dtype`), retriever, speech ids, prompts and relaxed policies' settings for
+    `checkpoint`, `store` and `prompts`, with `threads` torch threads (the defaults `bench` takes when given no
+    options)."""
     import torch
 
     from ...retriever import Retriever
 
     torch.set_num_threads(threads)
     model, meta = load_model(checkpoint)
+    model = placed(model, device, dtype)
     retriever = Retriever(store)
     speech = speech_vocab(meta, retriever.datastore, model)
     return DecodeInputs(model, retriever, speech, load_prompts(prompts, meta, limit),
@@ -449,18 +452,20 @@ def on_device(model, device: str, dtype: str):
     float32)."""
     import copy
 
+    model = placed(model, device, "float32")
+    return (model, model) if dtype == "float32" else (placed(copy.deepcopy(model), device, dtype), model)
+
+
+def placed(model, device: str, dtype: str):
+    """The model on `device` in `dtype` (float32, bfloat16 or float16)."""
     import torch
 
     if dtype not in ("float32", "bfloat16", "float16"):
         raise BenchError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16")
     try:
-        model = model.to(device=device)
+        return model.to(device=device, dtype=getattr(torch, dtype))
     except (RuntimeError, AssertionError) as e:
         raise BenchError(f"cannot put the model on {device!r}: {str(e).splitlines()[0]}") from None
-    if dtype == "float32":
-        return model.float(), model
-    scorer = copy.deepcopy(model).float()
-    return model.to(getattr(torch, dtype)), scorer
 
 
 def native_bfloat16(device: str = "cpu") -> bool:

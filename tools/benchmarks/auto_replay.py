@@ -11,8 +11,8 @@ moves 15-20% from one run of it to the next (the same prompt, cap and tokens, se
 say whether "auto" comes within 5% of the best fixed cap: the next run's answer differs.
 
 `record` decodes every prompt under every cap "auto" chooses among (`decoder.cost.ARMS`), `--repeats` times
-each, in a fresh random order per prompt, and keeps what the budget sees of each step: the tokens it emitted
-and its seconds. `replay` then runs the budget's own `ArmRates` over the prompts in their recorded order, many
+each, in a fresh random order per prompt (in `--dtype` on `--device`, as `echospec bench` runs), and keeps what
+the budget sees of each step: the tokens it emitted and its seconds. `replay` then runs the budget's own `ArmRates` over the prompts in their recorded order, many
 times. Each utterance's stint is one recording of the cap "auto" chose (drawn at random), and every fixed cap
 is scored on another recording of the same prompt, as the bench's separate runs are; "paired" scores them on
 the same recording instead, which leaves only "auto"'s choices. Per recording it reports "auto"'s speed over
@@ -37,7 +37,7 @@ import click
 
 from ...datastore.files import atomic_file
 from ...decoder.cost import ARMS, ArmRates, FixedBudget
-from ..bench.harness import POLICIES, BenchError, pyplot, save_figure, write_results
+from ..bench.harness import DTYPES, POLICIES, BenchError, pyplot, save_figure, write_results
 from ..cli.errors import fail_cleanly
 from ..cli.options import limit_option, out_option, threads_option
 
@@ -58,11 +58,11 @@ class StepLog(FixedBudget):
 
 
 def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", repeats: int = 2,
-           limit: int | None = None, max_new_tokens: int = 400, threads: int = 1, seed: int = 0,
-           progress: bool = True) -> dict:
+           limit: int | None = None, max_new_tokens: int = 400, threads: int = 1, device: str = "cpu",
+           dtype: str = "float32", seed: int = 0, progress: bool = True) -> dict:
     """Decode each prompt under every cap in ARMS, `repeats` times in a shuffled order, keeping each step's
-    tokens and seconds, with `threads` torch threads (as `echospec bench` runs). `stores`: "speaker" (the
-    prompt's speaker's store) or "general"."""
+    tokens and seconds, with `threads` torch threads, on `device` in `dtype` (as `echospec bench` runs).
+    `stores`: "speaker" (the prompt's speaker's store) or "general"."""
     from tqdm import tqdm
 
     from ...decoder import SpeculativeSession
@@ -73,7 +73,8 @@ def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", 
         raise BenchError(f"--stores must be speaker or general, got {stores!r}")
     if policy not in POLICIES:
         raise BenchError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    model, retriever, speech, prompts, relaxed = decode_inputs(checkpoint, store, prompts, limit, threads)
+    model, retriever, speech, prompts, relaxed = decode_inputs(checkpoint, store, prompts, limit, threads, device,
+                                                               dtype)
 
     def decode(prompt, index: int, cap: int) -> dict:
         session = SpeculativeSession(model, retriever, make_policy(policy, index, relaxed), speech=speech,
@@ -93,8 +94,8 @@ def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", 
         caps = list(ARMS) * repeats
         order.shuffle(caps)
         runs += [decode(prompt, index, cap) for cap in caps]
-    return {"policy": policy, "stores": stores, "threads": threads, "arms": list(ARMS),
-            "repeats": repeats, "checkpoint": str(checkpoint), "runs": runs}
+    return {"policy": policy, "stores": stores, "threads": threads, "device": device, "dtype": dtype,
+            "arms": list(ARMS), "repeats": repeats, "checkpoint": str(checkpoint), "runs": runs}
 
 
 def replay(recording: dict, replays: int = 200, make_rates=ArmRates, seed: int = 0) -> dict:
@@ -194,12 +195,15 @@ def main() -> None:
 @click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
 @limit_option()
 @threads_option
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES))
+@click.option("--device", default="cpu", show_default=True, help="Where the model runs: cpu, cuda, cuda:1, ...")
 @click.option("--out", "out_file", required=True, type=click.Path(dir_okay=False), help="The recording (JSON).")
 @fail_cleanly
-def record_command(checkpoint, store, prompts, policy, stores, repeats, max_new_tokens, limit, threads, out_file):
+def record_command(checkpoint, store, prompts, policy, stores, repeats, max_new_tokens, limit, threads, dtype, device,
+                   out_file):
     """Decode every prompt under every cap "auto" chooses among, keeping each step's tokens and seconds."""
     recording = record(checkpoint, store, prompts, policy=policy, stores=stores, repeats=repeats, limit=limit,
-                       max_new_tokens=max_new_tokens, threads=threads)
+                       max_new_tokens=max_new_tokens, threads=threads, device=device, dtype=dtype)
     Path(out_file).parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(Path(out_file)) as f:
         json.dump(recording, f)
@@ -217,7 +221,9 @@ def replay_command(recordings, replays, out_dir):
     for path in recordings:
         try:
             recording = json.loads(Path(path).read_text())
-            name = f"{recording['policy']}/{recording['stores']}/{recording['threads']}t"
+            where = [recording.get(key) for key in ("device", "dtype")
+                     if recording.get(key) not in (None, "cpu", "float32")]  # the defaults go unsaid
+            name = "/".join([recording["policy"], recording["stores"], f"{recording['threads']}t", *where])
             name = name if name not in results else f"{name} ({Path(path).stem})"
             results[name] = replay(recording, replays)
         except (json.JSONDecodeError, KeyError, TypeError) as e:
