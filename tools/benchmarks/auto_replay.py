@@ -10,14 +10,15 @@ Why: one `echospec bench` run gives "auto" 120 utterances, and on a shared CPU o
 moves 15-20% from one run of it to the next (the same prompt, cap and tokens, seconds apart). So one run cannot
 say whether "auto" comes within 5% of the best fixed cap: the next run's answer differs.
 
-`record` decodes every prompt under every cap "auto" chooses among (`decoder.cost.ARMS`), `--repeats` times
-each, in a fresh random order per prompt (in `--dtype` on `--device`, as `echospec bench` runs), and keeps what
-the budget sees of each step: the tokens it emitted and its seconds. `replay` then runs the budget's own `ArmRates` over the prompts in their recorded order, many
-times. Each utterance's stint is one recording of the cap "auto" chose (drawn at random), and every fixed cap
-is scored on another recording of the same prompt, as the bench's separate runs are; "paired" scores them on
-the same recording instead, which leaves only "auto"'s choices. Per recording it reports "auto"'s speed over
-the best fixed cap (geometric mean over the replays, its 5th percentile, the share of replays within 5%), over
-plain steps, and the share of utterances at each cap; `replay.png` shows the spread.
+`record` decodes every prompt under every cap "auto" chooses among (`decoder.cost.ARMS`), `--repeats` times each,
+in a fresh random order per prompt (in `--dtype` on `--device`, as `echospec bench` runs), and keeps what the
+budget sees of each step: the tokens it emitted and its seconds. `replay` then runs the budget's own `ArmRates`
+over the prompts in their recorded order, many times. Each utterance's stint is one recording of the cap "auto"
+chose (drawn at random), and every fixed cap is scored on another recording of the same prompt, as the bench's
+separate runs are; "paired" scores them on the same recording instead, which leaves only "auto"'s choices. Per
+recording it reports "auto"'s speed over the best fixed cap (geometric mean over the replays, its 5th percentile,
+the share of replays within 5%), over plain steps, and the share of utterances at each cap; `replay.png` shows the
+spread.
 
 What it leaves out: a live run's cold start, and the other work a live run does between "auto"'s utterances
 (a bench's other systems, a server's other stages). On the sample at 1 thread that work gave plain steps a slow
@@ -195,7 +196,8 @@ def main() -> None:
 @click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
 @limit_option()
 @threads_option
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES))
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
+              help="Precision the model runs in.")
 @click.option("--device", default="cpu", show_default=True, help="Where the model runs: cpu, cuda, cuda:1, ...")
 @click.option("--out", "out_file", required=True, type=click.Path(dir_okay=False), help="The recording (JSON).")
 @fail_cleanly
