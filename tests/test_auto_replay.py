@@ -106,8 +106,11 @@ def test_replay_scores_a_pinned_cap_at_that_caps_rate():
 def test_replay_rejects_what_it_cannot_use(tmp_path):
     once = tmp_path / "once.json"
     once.write_text(json.dumps(synthetic({0: 1, 8: 2}, repeats=1)))
+    some = tmp_path / "some.json"
+    some.write_text(json.dumps(synthetic({0: 1, 8: 2})))
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"systems": {}}))
-    for path, message in ((once, "at least twice"), (other, "not a recording")):
+    for path, message in ((once, "at least twice"), (some, "no utterances under caps [4, 16, 32, 64]"),
+                          (other, "not a recording")):
         result = CliRunner().invoke(auto_replay.main, ["replay", str(path), "--out", str(tmp_path / "out")])
         assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output

@@ -109,8 +109,11 @@ def replay(recording: dict, replays: int = 200, make_rates=ArmRates, seed: int =
     caps = sorted({cap for _, cap in utterances})
     if min(len(u) for u in utterances.values()) < 2 or len(utterances) < len(prompts) * len(caps):
         raise BenchError("a replay needs every prompt recorded at least twice under every cap (--repeats 2)")
-    runs = [_replay_once(utterances, prompts, caps, make_rates(seed=seed + r), random.Random(seed + r))
-            for r in range(replays)]
+    rates = [make_rates(seed=seed + r) for r in range(replays)]
+    if set(rates[0].arms) - set(caps):
+        raise BenchError(f"the recording has no utterances under caps {sorted(set(rates[0].arms) - set(caps))}")
+    runs = [_replay_once(utterances, prompts, caps, run_rates, random.Random(seed + r))
+            for r, run_rates in enumerate(rates)]
     fixed = _rates({cap: [u for (_, c), recorded in utterances.items() if c == cap for u in recorded] for cap in caps})
     best = max(rate for cap, rate in fixed.items() if cap > 0)
     shares = Counter(cap for run in runs for cap in run["caps"])
@@ -127,8 +130,6 @@ def replay(recording: dict, replays: int = 200, make_rates=ArmRates, seed: int =
 def _replay_once(utterances: dict, prompts: list, caps: list, rates, draw: random.Random) -> dict:
     """One run of `rates` over `prompts`: each stint one recording of the cap chosen, each fixed cap of `caps`
     scored on another recording of the prompt (`other`) and on the same one (`same`)."""
-    if set(rates.arms) - set(caps):
-        raise BenchError(f"the recording has no utterances under caps {sorted(set(rates.arms) - set(caps))}")
     chosen, auto, other, same = [], [], defaultdict(list), defaultdict(list)
     for prompt in prompts:
         arm = rates.choose()
@@ -155,7 +156,8 @@ def _rates(utterances: dict) -> dict:
 def _spread(ratios: list[float]) -> dict:
     ordered = sorted(ratios)
     return {"geomean": math.exp(sum(map(math.log, ordered)) / len(ordered)),
-            "p05": ordered[int(0.05 * (len(ordered) - 1))], "within_5pct": sum(r >= WITHIN for r in ordered) / len(ordered)}
+            "p05": ordered[int(0.05 * (len(ordered) - 1))],
+            "within_5pct": sum(r >= WITHIN for r in ordered) / len(ordered)}
 
 
 def format_row(name: str, result: dict) -> str:
