@@ -181,9 +181,11 @@ def load_model(checkpoint):
 
 
 class DecodeInputs(NamedTuple):
-    """What a developer benchmark decodes with (see `decode_inputs`)."""
+    """What a benchmark decodes with (see `decode_inputs`)."""
 
     model: object
+    scorer: object  # the model in float32, to score log-likelihoods with (the model itself in float32)
+    meta: TTSMeta | None  # an echospec TTS checkpoint's, else None
     retriever: object
     speech: object  # the model's SpeechVocab
     prompts: list[Prompt]
@@ -191,21 +193,23 @@ class DecodeInputs(NamedTuple):
 
 
 def decode_inputs(checkpoint, store, prompts, limit: int | None = None, threads: int = 1, device: str = "cpu",
-                  dtype: str = "float32") -> DecodeInputs:
-    """The model (on `device`, in `dtype`), retriever, speech ids, prompts and relaxed policies' settings for
-    `checkpoint`, `store` and `prompts`, with `threads` torch threads (the defaults `bench` takes when given no
-    options)."""
+                  dtype: str = "float32", *, speech=None, speech_offset: int | None = None,
+                  vocab_size: int | None = None, stop_ids=(), tau: int | None = None, beta: float = 0.2,
+                  similarity: float = 0.3) -> DecodeInputs:
+    """The model (on `device`, in `dtype`) and its float32 scorer, retriever, speech ids, prompts and relaxed
+    policies' settings for `checkpoint`, `store` and `prompts`, with `threads` torch threads; the options as
+    `bench` takes them."""
     import torch
 
     from ...retriever import Retriever
 
     torch.set_num_threads(threads)
     model, meta = load_model(checkpoint)
-    model = placed(model, device, dtype)
+    model, scorer = on_device(model, device, dtype)
     retriever = Retriever(store)
-    speech = speech_vocab(meta, retriever.datastore, model)
-    return DecodeInputs(model, retriever, speech, load_prompts(prompts, meta, limit),
-                        RelaxedSettings.for_vocabulary(speech.size))
+    speech = speech or speech_vocab(meta, retriever.datastore, model, speech_offset, vocab_size, stop_ids)
+    return DecodeInputs(model, scorer, meta, retriever, speech, load_prompts(prompts, meta, limit),
+                        RelaxedSettings.for_vocabulary(speech.size, tau, beta, similarity))
 
 
 def speech_vocab(meta: TTSMeta | None, datastore, model, speech_offset=None, vocab_size=None, stop_ids=()):
@@ -254,18 +258,14 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
 
     from ...decoder.cost import node_cap
     from ...decoder.scoring import mean_log_likelihood
-    from ...retriever import Retriever
 
     unknown = set(sweep_policies) - set(policies)
     if unknown:
         raise BenchError(f"sweep policies {', '.join(sorted(unknown))} are not among the benchmarked policies")
-    torch.set_num_threads(threads)
     source = prompts
-    model, meta = load_model(checkpoint)
-    model, scorer = on_device(model, device, dtype)
-    retriever = Retriever(store)
-    speech = speech or speech_vocab(meta, retriever.datastore, model, speech_offset, vocab_size, stop_ids)
-    prompts = load_prompts(prompts, meta, limit)
+    model, scorer, meta, retriever, speech, prompts, relaxed = decode_inputs(
+        checkpoint, store, prompts, limit, threads, device, dtype, speech=speech, speech_offset=speech_offset,
+        vocab_size=vocab_size, stop_ids=stop_ids, tau=tau, beta=beta, similarity=similarity)
     attach = {"head": head, "speech_embedding": speech_embedding}
     hf_baselines = head is None and speech_embedding is None and all(p.input_ids is not None for p in prompts)
     mel = None
@@ -273,7 +273,6 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
         from ..corpus.speech_tokenizer import SpeechTokenizer
 
         mel = SpeechTokenizer.load(tokenizer).tokens_to_logmel
-    relaxed = RelaxedSettings.for_vocabulary(speech.size, tau, beta, similarity)
     systems = _systems(model, retriever, speech, list(policies), list(stores), sweep_nodes, sweep_depths or (max_depth,),
                        list(sweep_policies), max_nodes, max_depth, max_new_tokens, relaxed, hf_baselines, sampler,
                        attach)

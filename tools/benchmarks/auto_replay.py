@@ -74,8 +74,8 @@ def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", 
         raise BenchError(f"--stores must be speaker or general, got {stores!r}")
     if policy not in POLICIES:
         raise BenchError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    model, retriever, speech, prompts, relaxed = decode_inputs(checkpoint, store, prompts, limit, threads, device,
-                                                               dtype)
+    model, _, _, retriever, speech, prompts, relaxed = decode_inputs(checkpoint, store, prompts, limit, threads,
+                                                                     device, dtype)
 
     def decode(prompt, index: int, cap: int) -> dict:
         session = SpeculativeSession(model, retriever, make_policy(policy, index, relaxed), speech=speech,
