@@ -120,6 +120,14 @@ def test_bench_refuses_a_folder_that_is_no_checkpoint(sample_store, tmp_path):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("nodes", ["-3", "eight", "4.5"])
+def test_bench_refuses_a_node_budget_that_is_no_budget(sample_store, nodes):
+    result = CliRunner().invoke(main, ["bench", str(SAMPLE_MODEL_DIR), "--store", str(sample_store),
+                                       "--prompts", str(SAMPLE_PROMPTS), "--nodes", nodes])
+    assert result.exit_code == 2 and f"'{nodes}': a non-negative integer" in result.output
+    assert "Traceback" not in result.output
+
+
 @pytest.mark.slow
 def test_demo_builds_queries_and_benchmarks(tmp_path):
     out = tmp_path / "demo"

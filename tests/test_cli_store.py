@@ -154,3 +154,5 @@ def test_query_bad_input(store, tmp_path):
     fails_cleanly(run("query", store, "--context", "1 300"), "context ids must be in 0..29")
     fails_cleanly(run("query", store, "--context", "1", "--speaker", "zed"), "unknown speaker 'zed'")
     fails_cleanly(run("query", tmp_path / "none", "--context", "1"), "no such datastore directory")
+    fails_cleanly(run("query", store, "--context", "1", "--max-nodes", "-2"), "-2 is not in the range x>=1", code=2)
+    fails_cleanly(run("query", store, "--context", "1", "--max-depth", "0"), "0 is not in the range x>=1", code=2)

@@ -73,7 +73,7 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
     if not stores or set(stores) - {"speaker", "general"}:
         raise click.BadParameter("use speaker and/or general", param_hint="--stores")
     if nodes != "auto" and not nodes.isdigit():
-        raise click.BadParameter("an integer or 'auto'", param_hint="--nodes")
+        raise click.BadParameter(f"{nodes!r}: a non-negative integer (0: no tree) or 'auto'", param_hint="--nodes")
     report = bench(checkpoint, store, prompts, speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
                    token_rate=token_rate, tokenizer=tokenizer, policies=policies or POLICIES, stores=stores,
                    max_nodes=nodes if nodes == "auto" else int(nodes), max_depth=depth,
