@@ -40,6 +40,8 @@ STINT = 512  # the most steps a stint runs: an utterance's steps, or STINT of th
 # choosing a cap per block of 8 steps made 4.4% fewer tokens a second than fixed 4 where it ran 4 in 84% of its
 # steps (for three of five policies, utterances it switched in ran 2-7% slower, paired, than those it did not)
 TRIES = 2  # stints counted for every cap before its rate counts
+SETTLE = 5 * TRIES  # stints before "auto" first chooses by its rates: TRIES each of the first cap, the plain
+# step, one size smaller and one larger, then of the first cap again (its first ran in a cold process)
 HALF_LIFE = 256  # stints after which a stint's weight in its cap's rate has halved: rates follow drift
 DECAY = 0.5 ** (1 / HALF_LIFE)
 STINT_CV = 0.1  # the least spread assumed of a stint's tokens per second: a rate is never certain (on the sample

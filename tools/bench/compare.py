@@ -397,6 +397,7 @@ def auto_against_fixed(rows: dict) -> dict:
 
 def format_table(report: dict) -> str:
     """One row per system; quality changes are relative to the system's baseline, with 95% intervals."""
+    from ...decoder.cost import FIRST_ARM, SETTLE
 
     def change(entry, measure):
         ci = entry.get("relative_change", {}).get(measure)
@@ -422,6 +423,11 @@ def format_table(report: dict) -> str:
               "same: share of utterances token for token the baseline's; max dlogit: over the others, the largest "
               "logit difference at the first divergent token between the system's forward and a plain one-token "
               "forward (rounding flips near-ties at ~1e-6 in float32, ~1e-2 in bfloat16; a bug shows far larger)"]
+    setup = report.get("setup", {})
+    if setup.get("max_nodes") == "auto" and setup.get("utterances", 1000) < 4 * SETTLE:
+        lines += ["", f"auto (the node budget): each system's first {SETTLE} utterances measure its caps, so over "
+                  f"{setup['utterances']} its figures are mostly that measuring, not the cap it settles on; run more "
+                  f"prompts or --rounds, or pin a budget (--nodes {FIRST_ARM})"]
     against = report.get("auto_against_fixed")
     if against:
         lines += ["", "auto against the fixed budgets swept beside it (paired: each utterance's time per token under the "
