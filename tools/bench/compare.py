@@ -424,9 +424,10 @@ def format_table(report: dict) -> str:
               "logit difference at the first divergent token between the system's forward and a plain one-token "
               "forward (rounding flips near-ties at ~1e-6 in float32, ~1e-2 in bfloat16; a bug shows far larger)"]
     setup = report.get("setup", {})
-    if setup.get("max_nodes") == "auto" and setup.get("utterances", 1000) < 4 * SETTLE:
+    utterances = setup.get("utterances")
+    if setup.get("max_nodes") == "auto" and utterances is not None and utterances < 4 * SETTLE:
         lines += ["", f"auto (the node budget): each system's first {SETTLE} utterances measure its caps, so over "
-                  f"{setup['utterances']} its figures are mostly that measuring, not the cap it settles on; run more "
+                  f"{utterances} its figures are mostly that measuring, not the cap it settles on; run more "
                   f"prompts or --rounds, or pin a budget (--nodes {FIRST_ARM})"]
     against = report.get("auto_against_fixed")
     if against:
