@@ -184,7 +184,7 @@ class DecodeInputs(NamedTuple):
     """What a benchmark decodes with (see `decode_inputs`)."""
 
     model: object
-    scorer: object  # the model in float32, to score log-likelihoods with (the model itself in float32)
+    scorer: object  # the model in float32 to score log-likelihoods with (None unless `with_scorer`)
     meta: TTSMeta | None  # an echospec TTS checkpoint's, else None
     retriever: object
     speech: object  # the model's SpeechVocab
@@ -195,17 +195,17 @@ class DecodeInputs(NamedTuple):
 def decode_inputs(checkpoint, store, prompts, limit: int | None = None, threads: int = 1, device: str = "cpu",
                   dtype: str = "float32", *, speech=None, speech_offset: int | None = None,
                   vocab_size: int | None = None, stop_ids=(), tau: int | None = None, beta: float = 0.2,
-                  similarity: float = 0.3) -> DecodeInputs:
-    """The model (on `device`, in `dtype`) and its float32 scorer, retriever, speech ids, prompts and relaxed
-    policies' settings for `checkpoint`, `store` and `prompts`, with `threads` torch threads; the options as
-    `bench` takes them."""
+                  similarity: float = 0.3, with_scorer: bool = False) -> DecodeInputs:
+    """The model (on `device`, in `dtype`), retriever, speech ids, prompts and relaxed policies' settings for
+    `checkpoint`, `store` and `prompts`, with `threads` torch threads; the options as `bench` takes them.
+    `with_scorer` also keeps a float32 copy to score with (a second model in memory outside float32)."""
     import torch
 
     from ...retriever import Retriever
 
     torch.set_num_threads(threads)
     model, meta = load_model(checkpoint)
-    model, scorer = on_device(model, device, dtype)
+    model, scorer = on_device(model, device, dtype) if with_scorer else (placed(model, device, dtype), None)
     retriever = Retriever(store)
     speech = speech or speech_vocab(meta, retriever.datastore, model, speech_offset, vocab_size, stop_ids)
     return DecodeInputs(model, scorer, meta, retriever, speech, load_prompts(prompts, meta, limit),
@@ -265,7 +265,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     source = prompts
     model, scorer, meta, retriever, speech, prompts, relaxed = decode_inputs(
         checkpoint, store, prompts, limit, threads, device, dtype, speech=speech, speech_offset=speech_offset,
-        vocab_size=vocab_size, stop_ids=stop_ids, tau=tau, beta=beta, similarity=similarity)
+        vocab_size=vocab_size, stop_ids=stop_ids, tau=tau, beta=beta, similarity=similarity, with_scorer=True)
     attach = {"head": head, "speech_embedding": speech_embedding}
     hf_baselines = head is None and speech_embedding is None and all(p.input_ids is not None for p in prompts)
     mel = None

@@ -47,7 +47,8 @@ def compare(store, nodes: int = 8, policy: str = "exact-sampling", limit: int | 
 
     if SWITCH in os.environ:
         raise click.UsageError(f"unset {SWITCH}: this benchmark sets it per system")
-    model, _, _, retriever, speech, prompts, relaxed = decode_inputs(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS, limit, threads)
+    model, _, _, retriever, speech, prompts, relaxed = decode_inputs(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS,
+                                                                     limit, threads)
 
     def chosen(seed_):
         return make_policy(policy, seed_, relaxed)
