@@ -129,6 +129,9 @@ class SpeculativeSession:
                  retriever_timeout: float = 0.1):
         check_model(model, head)
         self.model, self.retriever, self.speaker, self.head = model, retriever, speaker, head
+        # read once: a model's .device and .dtype walk its parameters, some 10 us each on a CPU, and a step
+        # needs them several times (the model must stay where it is while a session decodes with it)
+        self.device, self.dtype = model.device, model.dtype
         self.backbone = model if head is None else model.base_model
         self._copies_grouped_heads = copies_grouped_heads(model)
         self.policy = policy or ExactGreedy()
@@ -171,7 +174,7 @@ class SpeculativeSession:
         if self.head is None:
             table = self.model.get_output_embeddings()
             return int(table.weight.shape[0]) if table is not None else int(self.model.config.vocab_size)
-        probe = torch.zeros(1, 1, self.model.config.hidden_size, dtype=self.model.dtype, device=self.model.device)
+        probe = torch.zeros(1, 1, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             return int(self.head(probe).shape[-1])
 
@@ -202,9 +205,9 @@ class SpeculativeSession:
         rows = self._embedding_rows
         if rows is not None and max(ids) >= rows:
             raise DecoderInputError(f"generated id {max(ids)} falls outside speech_embedding's {rows} rows")
-        table, tensor = self.speech_embedding, torch.tensor(ids, device=self.model.device)
+        table, tensor = self.speech_embedding, torch.tensor(ids, device=self.device)
         vectors = table[tensor.to(table.device)] if isinstance(table, torch.Tensor) else table(tensor)
-        return vectors.to(device=self.model.device, dtype=self.model.dtype)[None]
+        return vectors.to(device=self.device, dtype=self.dtype)[None]
 
     def _logits(self, inputs: dict, last_only: bool = False, **kwargs) -> torch.Tensor:
         """The model's logits [1, T, V] as float32 on the host (only the last position's with `last_only`),
@@ -223,10 +226,10 @@ class SpeculativeSession:
 
     def _forward(self, ids: list[int], positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         inputs = {"inputs_embeds": self._embed(ids)} if self.speech_embedding is not None else {
-            "input_ids": torch.tensor([ids], device=self.model.device)}
+            "input_ids": torch.tensor([ids], device=self.device)}
         tree = mask is not None and self._copies_grouped_heads
         with grouped_query_attention() if tree else contextlib.nullcontext():
-            return self._logits(inputs, attention_mask=mask, position_ids=positions[None].to(self.model.device))[0]
+            return self._logits(inputs, attention_mask=mask, position_ids=positions[None].to(self.device))[0]
 
     # ---- prefill ------------------------------------------------------------------------------------
 
@@ -237,7 +240,7 @@ class SpeculativeSession:
             raise DecoderInputError("pass exactly one of input_ids or inputs_embeds")
         if self.cached or self.generated:
             raise DecoderInputError("this session has already been prefilled; start a new session per utterance")
-        device = self.model.device
+        device = self.device
         if input_ids is not None:
             input_ids = torch.as_tensor(input_ids, device=device)
             input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
@@ -249,7 +252,7 @@ class SpeculativeSession:
             inputs_embeds = torch.as_tensor(inputs_embeds, device=device)
             inputs_embeds = inputs_embeds[None] if inputs_embeds.dim() == 2 else inputs_embeds
             _check_batch(inputs_embeds.shape, 3, "inputs_embeds")
-            length, inputs = inputs_embeds.shape[1], {"inputs_embeds": inputs_embeds.to(self.model.dtype)}
+            length, inputs = inputs_embeds.shape[1], {"inputs_embeds": inputs_embeds.to(self.dtype)}
         if length == 0:
             raise DecoderInputError("the prompt is empty")
         if length >= self.max_positions:
@@ -353,7 +356,7 @@ class SpeculativeSession:
         Additive, not boolean: eager attention adds the mask to the scores, so a boolean mask would be
         silently wrong there; SDPA takes either form.
         """
-        n, dtype, start = len(tree), self.model.dtype, self.cached + 1
+        n, dtype, start = len(tree), self.dtype, self.cached + 1
         # built in NumPy and converted once: per-op torch overhead dominates at this size. The dtype's
         # minimum is exact in float32 for float16 and bfloat16 alike.
         mask = np.zeros((1, 1, n + 1, start + n), np.float32)  # the prefix and the root are visible to every row
@@ -361,7 +364,7 @@ class SpeculativeSession:
         blocked = float(torch.finfo(dtype).min)
         block[0] = blocked  # the root sees no tree node
         block[1:][~tree.mask] = blocked  # a node sees only itself and its ancestors
-        return torch.from_numpy(mask).to(device=self.model.device, dtype=dtype)
+        return torch.from_numpy(mask).to(device=self.device, dtype=dtype)
 
     def accept(self, verified: VerifiedTree) -> tuple[list[int], int | None]:
         """The policy's walk: accepted node indices and the bonus token (None after a stop token)."""
@@ -373,7 +376,7 @@ class SpeculativeSession:
         # nodes already in place (path[i] == i: the path runs down the tree's first branch) need no move
         moved = next((i for i, node in enumerate(path) if node != i), len(path))
         if moved < len(path):
-            source = torch.tensor(path[moved:], device=self.model.device) + root + 1
+            source = torch.tensor(path[moved:], device=self.device) + root + 1
             target = slice(root + 1 + moved, root + 1 + len(path))
             for layer in self.cache.layers:
                 if layer.is_initialized and layer.keys.numel():
