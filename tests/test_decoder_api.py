@@ -296,3 +296,23 @@ def test_auto_budget_stops_asking_a_retriever_that_never_pays():
     # trees that are never accepted cost time and emit nothing more: once the caps next to the first have
     # been tried (2 utterances each, the first cap again), plain steps only
     assert all(set(r.stats.node_caps) == {0} for r in results[-8:]) and results[-1].stats.budget["fastest"] == 0
+
+
+def test_steps_do_not_read_the_models_device_or_dtype(model, monkeypatch):
+    # each read walks the model's parameters (~10 us on a CPU); the session reads them once, when it is made
+    from echospec.decoder import SpeculativeSession
+
+    ids = prompt(seed=3)
+    reference = greedy(model, ids)
+    session = SpeculativeSession(model, PromptLookup(), ExactGreedy(), speech=SpeechVocab(0, VOCAB),
+                                 max_new_tokens=24, max_nodes=8)
+    reads = []
+    for name in ("device", "dtype"):
+        value = getattr(model, name)
+        monkeypatch.setattr(type(model), name, property(lambda self, name=name, value=value:
+                                                        reads.append(name) or value))
+    session.prefill(input_ids=ids)
+    while not session.finished:
+        session.step()
+    assert reads == []
+    assert session.generated == reference and session.stats.tokens_per_forward > 1
