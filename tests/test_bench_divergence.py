@@ -14,10 +14,12 @@ def test_recorded_rows_are_the_plain_forwards_and_a_divergence_is_located():
     model = tiny_model("llama", "sdpa", VOCAB, seed=2)
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
     policy = ExactGreedy()
-    rows = record_logits(policy)
-    tokens = generate(model, PromptLookup(), policy=policy, input_ids=ids, speech=SpeechVocab(0, VOCAB),
-                      max_new_tokens=20, max_nodes=8).tokens
+    record = record_logits(policy)
+    result = generate(model, PromptLookup(), policy=policy, input_ids=ids, speech=SpeechVocab(0, VOCAB),
+                      max_new_tokens=20, max_nodes=8)
+    tokens, rows = result.tokens, record.rows
     assert len(rows) >= len(tokens)  # one row per token chosen (the walk may choose past the length limit)
+    assert 0 < record.seconds < result.stats.wall_seconds  # the copying's time, which the bench leaves out
     prompt = ids[0].tolist()
     for position in (0, 5, 19):  # a tree forward's row and a one-token forward's agree up to rounding
         assert torch.allclose(rows[position], plain_logits(model, prompt, tokens, position), atol=1e-4)

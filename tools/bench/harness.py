@@ -149,7 +149,7 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
                  record_logits: bool = False, **generate_options) -> Callable[[Prompt, int], Run]:
     """echospec's `generate` with `policy(seed)` and `retriever` (None: autoregressive), timed; `speaker`
     passes the prompt's speaker to the retriever (its speaker store), else only the general store is asked.
-    `record_logits` keeps the logits row behind each emitted token (see `divergence`)."""
+    `record_logits` keeps the logits row behind each emitted token (see `divergence`), untimed."""
     from ...decoder import generate
     from .divergence import record_logits as recording
 
@@ -157,12 +157,13 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
 
     def run(prompt: Prompt, seed: int) -> Run:
         chosen = policy(seed)
-        rows = recording(chosen) if record_logits else None
+        record = recording(chosen) if record_logits else None
         result = generate(model, retriever, policy=chosen, speech=speech,
                           speaker=prompt.speaker if speaker else None, **prompt.inputs(), **generate_options)
         stats = result.stats
-        return Run(result.tokens, stats.target_forwards, stats.wall_seconds, stats.accepted_lengths,
-                   stats.node_budgets, rows, stats.budget, stats.node_caps if auto else None)
+        seconds = stats.wall_seconds - (record.seconds if record else 0.0)
+        return Run(result.tokens, stats.target_forwards, seconds, stats.accepted_lengths, stats.node_budgets,
+                   record.rows if record else None, stats.budget, stats.node_caps if auto else None)
     return run
 
 
