@@ -20,7 +20,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from ..retriever.tree import CandidateTree
+from ..retriever.tree import CandidateTree, matched_depth
 from .cost import CURVE_SIZES, AutoBudget, CostCurve, FixedBudget, node_cap, prune_order
 from .errors import DecoderInputError, UnsupportedModelError
 from .gqa import copies_grouped_heads, grouped_query_attention
@@ -154,13 +154,15 @@ class SpeculativeSession:
         self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
         self.max_nodes, self.max_depth, self.retriever_timeout = max_nodes, max_depth, retriever_timeout
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 62
-        self.budget = (AutoBudget(model, retriever, type(self.policy), speaker)
+        count_steps = self.count_steps if self.policy.exact else None  # a lossless policy's tokens are the tree's
+        self.budget = (AutoBudget(model, retriever, type(self.policy), speaker, count_steps)
                        if max_nodes == "auto" and retriever is not None else FixedBudget(node_cap(max_nodes)))
         self.stats = GenerationStats(token_rate=token_rate)
         table = self._output_table()
         self.policy.bind(None if table is None else (lambda ids: table[ids.to(table.device)]))
         self.cache = DynamicCache(config=model.config)
         self.cached = 0  # tokens in the KV cache
+        self._prompt_length = 0
         self.prompt_ids: list[int] = []
         self.generated: list[int] = []  # model ids emitted; the last one is pending (not yet in the cache)
         self._history: list[int] = []  # prompt ids + generated: what samplers may look back at
@@ -263,7 +265,7 @@ class SpeculativeSession:
         logits = self._logits(inputs, last_only=True)[0, -1:]
         if any(type(layer) is not DynamicLayer for layer in self.cache.layers):
             raise UnsupportedModelError("the model's cache has layers other than full-attention DynamicLayer")
-        self.cached = length
+        self.cached = self._prompt_length = length
         _, bonus = self.policy.walk(VerifiedTree(logits, [], [[]], self._state_at))
         emitted = self._emit([bonus])
         return emitted
@@ -298,10 +300,9 @@ class SpeculativeSession:
         """Ask the retriever for a tree and cut it to what this step can use and its budget allows (may be empty)."""
         if self.retriever is None or self.finished:
             return CandidateTree.empty()
-        cap = self.budget.nodes()
+        cap = self.budget.nodes(len(self.generated))
         self.stats.node_caps.append(cap)
-        depth_cap = min(self.max_depth, self.max_new_tokens - len(self.generated),
-                        self.max_positions - 1 - self.cached)
+        depth_cap = self._depth_cap(len(self.generated))
         if depth_cap <= 0 or cap == 0:
             return CandidateTree.empty()
         start = time.perf_counter()
@@ -318,11 +319,46 @@ class SpeculativeSession:
         if elapsed > self.retriever_timeout:
             self.stats.retriever_timeouts += 1
             return CandidateTree.empty()
+        return self._cut(tree, cap, depth_cap)
+
+    def _depth_cap(self, position: int) -> int:
+        """How deep a tree may go at a step `position` tokens into the utterance."""
+        cached = self._prompt_length + position - 1  # every token but the newest is in the cache
+        return min(self.max_depth, self.max_new_tokens - position, self.max_positions - 1 - cached)
+
+    def _cut(self, tree: CandidateTree, cap: int, depth_cap: int) -> CandidateTree:
+        """The retriever's `tree` cut to `depth_cap` and the `cap` most probable nodes."""
         if not isinstance(tree, CandidateTree):
             raise DecoderInputError(f"the retriever returned {type(tree).__name__}, not a CandidateTree")
         self.speech.to_model(tree.tokens)  # raises on ids outside the store's vocabulary
         tree = self._usable(tree, depth_cap)
         return tree if len(tree) <= cap else tree.subtree(prune_order(tree)[:cap])
+
+    def count_steps(self, cap: int, start: int, stop: int) -> int | None:
+        """How many steps under node cap `cap` a lossless policy takes to emit `generated[start:stop]` after
+        `generated[:start]`: its tokens do not depend on the tree, so each such step accepts the longest path of
+        its tree that they continue. None if a retriever call fails or takes over `retriever_timeout`."""
+        speech = np.fromiter((self.speech.is_speech(t) for t in self.generated), np.bool_, len(self.generated))
+        prompt = len(self.context) - int(speech.sum())  # context tokens before the first generated one
+        context, tokens = np.asarray(self.context, np.int64), np.asarray(self.generated[:stop], np.int64)
+        steps, position = 0, start
+        while position < stop:
+            steps += 1
+            depth_cap = self._depth_cap(position)
+            if depth_cap <= 0:
+                position += 1
+                continue
+            began = time.perf_counter()
+            try:
+                tree = self._cut(self.retriever.propose(context[: prompt + int(speech[:position].sum())],
+                                                        speaker=self.speaker, max_nodes=cap, max_depth=depth_cap),
+                                 cap, depth_cap)
+            except Exception:  # noqa: BLE001 — counting is optional; the steps already warned
+                return None
+            if time.perf_counter() - began > self.retriever_timeout:
+                return None
+            position += 1 + matched_depth(tree.tokens + self.speech.offset, tree.parents, tokens[position:])
+        return steps
 
     def _usable(self, tree: CandidateTree, depth_cap: int) -> CandidateTree:
         """Drop nodes deeper than this step may go and everything below a stop token."""

@@ -11,7 +11,7 @@ from decoder_testing import PromptLookup, Raising, Scripted, Slow, Wrong, tiny_m
 
 from echospec.decoder import (HF_CUSTOM_GENERATE_DIR, ArmRates, AutoBudget, DecoderInputError, ExactGreedy,
                               SpeechVocab, UnsupportedModelError, generate, hf_generate)
-from echospec.decoder.cost import ARMS, STINT, TRIES, prune_order
+from echospec.decoder.cost import ARMS, STINT, TRIES, WINDOW, prune_order
 from echospec.retriever import CandidateTree
 
 VOCAB = 64
@@ -143,16 +143,22 @@ def test_prune_order_keeps_a_tree_even_when_a_child_outranks_its_parent():
     assert all(usual.parents[i] < 0 or order.index(int(usual.parents[i])) < order.index(i) for i in order)
 
 
-def test_with_the_real_retriever(model, tmp_path):
+def greedy_store(model, folder, prompts):
+    """A real Retriever over a store of the model's greedy continuations of `prompts` (speaker "spk"),
+    and the corpus it was built from."""
     from echospec.datastore import build
     from echospec.retriever import Retriever
 
-    prompts = [prompt(6, seed) for seed in range(12)]
     corpus = [{"id": f"u{i}", "speaker": "spk", "tokens": ids[0].tolist() + greedy(model, ids, 40)}
               for i, ids in enumerate(prompts)]
-    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(u) + "\n" for u in corpus))
-    build(tmp_path / "corpus.jsonl", tmp_path / "store", faiss=False, progress=False, vocab_size=VOCAB)
-    retriever = Retriever(tmp_path / "store")
+    (folder / "corpus.jsonl").write_text("".join(json.dumps(u) + "\n" for u in corpus))
+    build(folder / "corpus.jsonl", folder / "store", faiss=False, progress=False, vocab_size=VOCAB)
+    return Retriever(folder / "store"), corpus
+
+
+def test_with_the_real_retriever(model, tmp_path):
+    prompts = [prompt(6, seed) for seed in range(12)]
+    retriever, corpus = greedy_store(model, tmp_path, prompts)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         result = generate(model, retriever, input_ids=prompts[3], speaker="spk", max_new_tokens=40, max_nodes=16,
@@ -287,15 +293,82 @@ def test_auto_budget_stops_asking_a_retriever_that_never_pays():
             time.sleep(0.002)
             return super().propose(*args, **kwargs)
 
-    retriever, results = Counting(VOCAB), []
+    retriever, results, counting = Counting(VOCAB), [], 0
     for seed in range(24):
         ids, before = prompt(seed=seed), len(calls)
         results.append(generate(model, retriever, input_ids=ids, max_new_tokens=40, speech=SpeechVocab(0, VOCAB)))
         assert results[-1].tokens == greedy(model, ids, 40)
-        assert sum(cap > 0 for cap in results[-1].stats.node_caps) == len(calls) - before  # cap 0: not asked
+        counting += len(calls) - before - sum(cap > 0 for cap in results[-1].stats.node_caps)  # cap 0: not asked
     # trees that are never accepted cost time and emit nothing more: once the caps next to the first have
     # been tried (2 utterances each, the first cap again), plain steps only
     assert all(set(r.stats.node_caps) == {0} for r in results[-8:]) and results[-1].stats.budget["fastest"] == 0
+    # counting windows asks it too, but only while that takes under COUNT_SHARE of the time: here one window in
+    # 24 utterances, the first (4 and 16 nodes, a call per step they would take; 8 ran, its steps are known)
+    assert WINDOW < counting <= 2 * WINDOW
+
+
+def test_count_steps_replays_a_lossless_policy_exactly(model, tmp_path):
+    # a lossless policy's tokens do not depend on the tree, so the steps a cap would take over them can be
+    # counted after the fact from retriever calls alone: exactly the steps a session pinned to that cap takes
+    from echospec.decoder import ExactSampling, SpeculativeSession
+
+    prompts = [prompt(6, seed) for seed in range(8)]
+    (retriever, _), speech = greedy_store(model, tmp_path, prompts), SpeechVocab(0, VOCAB)
+    for make_policy in (ExactGreedy, lambda: ExactSampling(seed=3)):
+        for ids in (prompts[2], prompt(6, seed=99)):  # one the store holds, one it does not
+            sessions = {}
+            for cap in (1, 4, 16):
+                session = sessions[cap] = SpeculativeSession(model, retriever, make_policy(), speech=speech,
+                                                             speaker="spk", max_new_tokens=40, max_nodes=cap)
+                session.prefill(input_ids=ids)
+                while not session.finished:
+                    session.step()
+            reference = sessions[4]
+            for cap, session in sessions.items():
+                assert session.generated == reference.generated
+                assert reference.count_steps(cap, 1, len(reference.generated)) == len(session.stats.node_budgets)
+            # a window starting at one of its steps: the steps that start inside it
+            starts = np.cumsum([1] + [n + 1 for n in sessions[1].stats.accepted_lengths])
+            assert reference.count_steps(1, int(starts[3]), 30) == sum(starts[3] <= s < 30 for s in starts)
+    broken = SpeculativeSession(model, Raising(), ExactGreedy(), speech=speech, max_new_tokens=8, max_nodes=4)
+    broken.prefill(input_ids=prompts[0])
+    with pytest.warns(UserWarning, match="retriever failed"):
+        while not broken.finished:
+            broken.step()
+    assert broken.count_steps(4, 1, 8) is None  # no count from a retriever that fails
+
+
+def run_windows(rates: ArmRates, caps: dict, utterances: int, spread: float, noise: float, windows: bool,
+                seed: int = 0) -> list[int]:
+    """Decode `utterances` utterances of 300 tokens under the caps `rates` chooses, each cap a pair (tokens per
+    step, seconds per step); an utterance's drafts are right `spread`-lognormally more or less often (prompts
+    differ) and its steps take `noise`-lognormally longer or shorter. With `windows`, every utterance counts
+    32 of its tokens under the caps `rates.compared()` names; returns the cap of each utterance."""
+    rng, chosen = np.random.default_rng(seed), []
+    for _ in range(utterances):
+        ease, slow = rng.lognormal(0.0, spread), rng.lognormal(0.0, noise)
+        per_step = {cap: 1 + (tokens - 1) * ease if cap else 1.0 for cap, (tokens, _) in caps.items()}
+        arm = rates.choose()
+        cap = rates.arms[arm]
+        steps = round(300 / per_step[cap])
+        counted = {i: 32 / per_step[rates.arms[i]] for i in rates.compared()} if windows else None
+        rates.record(arm, 300, [caps[cap][1] * slow] * steps, counted, 32)
+        chosen.append(cap)
+    return chosen
+
+
+def test_auto_compares_a_lossless_policys_caps_on_the_same_tokens():
+    # greedy on the sample at 1 thread: 4 nodes 6% faster than 8, utterances' tokens per step spread 25%
+    # (measured 18-24%), their seconds per step 4% (3-7%). Rated on whole utterances, 4 and 8 take more
+    # utterances to tell apart than a run has; counted on the same tokens, only seconds per step differ
+    caps = {0: (1.0, 1.7e-3), 4: (2.25, 2.3e-3), 8: (2.5, 2.7e-3), 16: (2.7, 3.1e-3), 32: (2.9, 3.8e-3),
+            64: (3.1, 5.1e-3)}
+    shares = {}
+    for windows in (False, True):
+        late = [c for seed in range(6) for c in run_windows(ArmRates(seed=seed), caps, 120, 0.25, 0.04, windows,
+                                                             seed)[40:]]
+        shares[windows] = late.count(4) / len(late)
+    assert shares[True] > 0.85 and shares[True] > shares[False] + 0.1, shares
 
 
 def test_steps_do_not_read_the_models_device_or_dtype(model, monkeypatch):

@@ -13,8 +13,9 @@ say whether "auto" comes within 5% of the best fixed cap: the next run's answer 
 `record` decodes every prompt under every cap "auto" chooses among (`decoder.cost.ARMS`), `--repeats` times each,
 in a fresh random order per prompt (in `--dtype` on `--device`, as `echospec bench` runs), and keeps what the
 budget sees of each step: the tokens it emitted and its seconds. `replay` then runs the budget's own `ArmRates`
-over the prompts in their recorded order, many times. Each utterance's stint is one recording of the cap "auto"
-chose (drawn at random), and every fixed cap is scored on another recording of the same prompt, as the bench's
+over the prompts in their recorded order, many times; a lossless policy's stints count the compared caps' steps
+over a window of their tokens, as live ones do, from the other caps' recordings of the prompt (the same tokens).
+Each utterance's stint is one recording of the cap "auto" chose (drawn at random), and every fixed cap is scored on another recording of the same prompt, as the bench's
 separate runs are; "paired" scores them on the same recording instead, which leaves only "auto"'s choices. Per
 recording it reports "auto"'s speed over the best fixed cap (geometric mean over the replays, its 5th percentile,
 the share of replays within 5%), over plain steps, and the share of utterances at each cap; `replay.png` shows the
@@ -28,6 +29,7 @@ tail which a recording of caps alone does not have, so the replay flattered a ra
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -37,7 +39,7 @@ from pathlib import Path
 import click
 
 from ...datastore.files import atomic_file
-from ...decoder.cost import ARMS, ArmRates, FixedBudget
+from ...decoder.cost import ARMS, WINDOW, ArmRates, FixedBudget
 from ..bench.harness import DTYPES, POLICIES, BenchError, pyplot, save_figure, write_results
 from ..cli.errors import fail_cleanly
 from ..cli.options import limit_option, out_option, threads_option
@@ -104,7 +106,7 @@ def replay(recording: dict, replays: int = 200, make_rates=ArmRates, seed: int =
     times; "auto" against every fixed cap, scored on another recording of each prompt and on the same one."""
     utterances = defaultdict(list)  # (prompt, cap) -> [(tokens, seconds), ...]: one entry per recorded utterance
     for run in recording["runs"]:
-        utterances[run["prompt"], run["cap"]].append((sum(run["tokens"]), run["seconds"]))
+        utterances[run["prompt"], run["cap"]].append((sum(run["tokens"]), run["seconds"], run["tokens"]))
     prompts = list(dict.fromkeys(run["prompt"] for run in recording["runs"]))
     caps = sorted({cap for _, cap in utterances})
     if min(len(u) for u in utterances.values()) < 2 or len(utterances) < len(prompts) * len(caps):
@@ -112,7 +114,8 @@ def replay(recording: dict, replays: int = 200, make_rates=ArmRates, seed: int =
     rates = [make_rates(seed=seed + r) for r in range(replays)]
     if set(rates[0].arms) - set(caps):
         raise BenchError(f"the recording has no utterances under caps {sorted(set(rates[0].arms) - set(caps))}")
-    runs = [_replay_once(utterances, prompts, caps, run_rates, random.Random(seed + r))
+    lossless = recording["policy"].startswith("exact")  # its caps are counted on the same tokens, as live
+    runs = [_replay_once(utterances, prompts, caps, run_rates, random.Random(seed + r), lossless)
             for r, run_rates in enumerate(rates)]
     fixed = _rates({cap: [u for (_, c), recorded in utterances.items() if c == cap for u in recorded] for cap in caps})
     best = max(rate for cap, rate in fixed.items() if cap > 0)
@@ -127,15 +130,18 @@ def replay(recording: dict, replays: int = 200, make_rates=ArmRates, seed: int =
             "separate": [run["over_best"] for run in runs]}
 
 
-def _replay_once(utterances: dict, prompts: list, caps: list, rates, draw: random.Random) -> dict:
+def _replay_once(utterances: dict, prompts: list, caps: list, rates, draw: random.Random, lossless: bool) -> dict:
     """One run of `rates` over `prompts`: each stint one recording of the cap chosen, each fixed cap of `caps`
-    scored on another recording of the prompt (`other`) and on the same one (`same`)."""
+    scored on another recording of the prompt (`other`) and on the same one (`same`). A `lossless` policy's
+    stints count the compared caps' steps over a window of the tokens, which its recordings under every cap share."""
     chosen, auto, other, same = [], [], defaultdict(list), defaultdict(list)
     for prompt in prompts:
         arm = rates.choose()
         recorded = utterances[prompt, rates.arms[arm]]
         k = draw.randrange(len(recorded))
-        rates.record(arm, *recorded[k])
+        tokens, seconds, steps = recorded[k]
+        window, window_tokens = _window(utterances, prompt, k, steps, rates, draw) if lossless else ({}, 0)
+        rates.record(arm, tokens, seconds, window, window_tokens)
         chosen.append(rates.arms[arm])
         auto.append(recorded[k])
         for cap in caps:
@@ -148,9 +154,23 @@ def _replay_once(utterances: dict, prompts: list, caps: list, rates, draw: rando
             "over_plain": rate / other[0] if 0 in other else float("nan")}
 
 
+def _window(utterances: dict, prompt: str, k: int, steps: list[int], rates, draw: random.Random):
+    """As a live stint counts them: the compared caps' steps over WINDOW tokens from one of the stint's steps
+    (here the steps each cap's recording `k` of the prompt started there), and the window's tokens."""
+    starts = list(itertools.accumulate(steps, initial=0))[:-1]
+    end = sum(steps)
+    start = draw.choice([s for s in starts if s + WINDOW <= end] or starts[:1])
+    stop = min(start + WINDOW, end)
+    counted = {}
+    for arm in rates.compared():
+        other = itertools.accumulate(utterances[prompt, rates.arms[arm]][k][2], initial=0)
+        counted[arm] = sum(start <= s < stop for s in list(other)[:-1])
+    return counted, stop - start
+
+
 def _rates(utterances: dict) -> dict:
-    """Tokens per second of wall-clock over each key's utterances [(tokens, step seconds), ...]."""
-    return {key: sum(t for t, _ in runs) / sum(sum(s) for _, s in runs) for key, runs in utterances.items()}
+    """Tokens per second of wall-clock over each key's utterances [(tokens, step seconds, step tokens), ...]."""
+    return {key: sum(run[0] for run in runs) / sum(sum(run[1]) for run in runs) for key, runs in utterances.items()}
 
 
 def _spread(ratios: list[float]) -> dict:
