@@ -36,7 +36,10 @@ class Pinned:
     def choose(self) -> int:
         return self.arms.index(self.cap)
 
-    def record(self, arm, tokens, seconds) -> None:
+    def compared(self) -> list[int]:
+        return []
+
+    def record(self, arm, tokens, seconds, window=None, window_tokens=0) -> None:
         pass
 
 
