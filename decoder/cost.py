@@ -352,10 +352,9 @@ class AutoBudget:
         compared = self.rates.compared() if count_steps is not None and self._seconds else []
         if not compared:
             return {}, 0
-        starts, end = self._starts[: len(self._seconds)], self._starts[0] + self._tokens
-        start = _WINDOWS.choice([s for s in starts if s + WINDOW <= end] or starts[:1])
-        stop = min(start + WINDOW, end)
-        window = {arm: (sum(start <= s < stop for s in starts) if arm == self._arm
+        starts = self._starts[: len(self._seconds)]
+        start, stop = pick_window(starts, starts[0] + self._tokens, _WINDOWS)
+        window = {arm: (steps_within(starts, start, stop) if arm == self._arm
                         else count_steps(self.rates.arms[arm], start, stop)) for arm in compared}
         if None in window.values():  # the retriever failed or was slow: no window this time
             return {}, 0
@@ -363,6 +362,18 @@ class AutoBudget:
 
     def summary(self) -> dict:
         return self.rates.summary()
+
+
+def pick_window(starts: list[int], end: int, draw: random.Random) -> tuple[int, int]:
+    """A window of WINDOW tokens (fewer if the stint is shorter) starting at one of the steps `starts` of a
+    stint that ends at token `end`: (start, stop)."""
+    start = draw.choice([s for s in starts if s + WINDOW <= end] or starts[:1])
+    return start, min(start + WINDOW, end)
+
+
+def steps_within(starts: list[int], start: int, stop: int) -> int:
+    """How many of the steps `starts` start in tokens `start:stop`: a stint's own steps over a window."""
+    return sum(start <= s < stop for s in starts)
 
 
 _WINDOWS = random.Random(0)  # where each stint's window starts

@@ -338,8 +338,9 @@ class SpeculativeSession:
         """How many steps under node cap `cap` a lossless policy takes to emit `generated[start:stop]` after
         `generated[:start]`: its tokens do not depend on the tree, so each such step accepts the longest path of
         its tree that they continue. None if a retriever call fails or takes over `retriever_timeout`."""
-        speech = np.fromiter((self.speech.is_speech(t) for t in self.generated), np.bool_, len(self.generated))
-        prompt = len(self.context) - int(speech.sum())  # context tokens before the first generated one
+        speech = np.fromiter((self.speech.is_speech(t) for t in self.generated), np.int64, len(self.generated))
+        # the retriever's context after generated[:i]: the prompt's speech, then the generated speech tokens
+        context_at = len(self.context) - int(speech.sum()) + np.concatenate(([0], np.cumsum(speech)))
         context, tokens = np.asarray(self.context, np.int64), np.asarray(self.generated[:stop], np.int64)
         steps, position = 0, start
         while position < stop:
@@ -350,7 +351,7 @@ class SpeculativeSession:
                 continue
             began = time.perf_counter()
             try:
-                tree = self._cut(self.retriever.propose(context[: prompt + int(speech[:position].sum())],
+                tree = self._cut(self.retriever.propose(context[: context_at[position]],
                                                         speaker=self.speaker, max_nodes=cap, max_depth=depth_cap),
                                  cap, depth_cap)
             except Exception:  # noqa: BLE001 — counting is optional; the steps already warned

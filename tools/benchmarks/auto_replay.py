@@ -15,8 +15,8 @@ in a fresh random order per prompt (in `--dtype` on `--device`, as `echospec ben
 budget sees of each step: the tokens it emitted and its seconds. `replay` then runs the budget's own `ArmRates`
 over the prompts in their recorded order, many times; a lossless policy's stints count the compared caps' steps
 over a window of their tokens, as live ones do, from the other caps' recordings of the prompt (the same tokens).
-Each utterance's stint is one recording of the cap "auto" chose (drawn at random), and every fixed cap is scored on another recording of the same prompt, as the bench's
-separate runs are; "paired" scores them on the same recording instead, which leaves only "auto"'s choices. Per
+Each utterance's stint is one recording of the cap "auto" chose (drawn at random), and every fixed cap is scored
+on another recording of the same prompt, as the bench's separate runs are; "paired" scores them on the same recording instead, which leaves only "auto"'s choices. Per
 recording it reports "auto"'s speed over the best fixed cap (geometric mean over the replays, its 5th percentile,
 the share of replays within 5%), over plain steps, and the share of utterances at each cap; `replay.png` shows the
 spread.
@@ -39,7 +39,7 @@ from pathlib import Path
 import click
 
 from ...datastore.files import atomic_file
-from ...decoder.cost import ARMS, WINDOW, ArmRates, FixedBudget
+from ...decoder.cost import ARMS, ArmRates, FixedBudget, pick_window, steps_within
 from ..bench.harness import DTYPES, POLICIES, BenchError, pyplot, save_figure, write_results
 from ..cli.errors import fail_cleanly
 from ..cli.options import limit_option, out_option, threads_option
@@ -157,14 +157,12 @@ def _replay_once(utterances: dict, prompts: list, caps: list, rates, draw: rando
 def _window(utterances: dict, prompt: str, k: int, steps: list[int], rates, draw: random.Random):
     """As a live stint counts them: the compared caps' steps over WINDOW tokens from one of the stint's steps
     (here the steps each cap's recording `k` of the prompt started there), and the window's tokens."""
-    starts = list(itertools.accumulate(steps, initial=0))[:-1]
-    end = sum(steps)
-    start = draw.choice([s for s in starts if s + WINDOW <= end] or starts[:1])
-    stop = min(start + WINDOW, end)
-    counted = {}
-    for arm in rates.compared():
-        other = itertools.accumulate(utterances[prompt, rates.arms[arm]][k][2], initial=0)
-        counted[arm] = sum(start <= s < stop for s in list(other)[:-1])
+    def starts(tokens: list[int]) -> list[int]:
+        return list(itertools.accumulate(tokens, initial=0))[:-1]
+
+    start, stop = pick_window(starts(steps), sum(steps), draw)
+    counted = {arm: steps_within(starts(utterances[prompt, rates.arms[arm]][k][2]), start, stop)
+               for arm in rates.compared()}
     return counted, stop - start
 
 
