@@ -16,8 +16,8 @@ budget sees of each step: the tokens it emitted and its seconds. `replay` then r
 over the prompts in their recorded order, many times; a lossless policy's stints count the compared caps' steps
 over a window of their tokens, as live ones do, from the other caps' recordings of the prompt (the same tokens).
 Each utterance's stint is one recording of the cap "auto" chose (drawn at random), and every fixed cap is scored
-on another recording of the same prompt, as the bench's separate runs are; "paired" scores them on the same recording instead, which leaves only "auto"'s choices. Per
-recording it reports "auto"'s speed over the best fixed cap (geometric mean over the replays, its 5th percentile,
+on another recording of the same prompt, as the bench's separate runs are; "paired" scores them on the same
+recording instead, which leaves only "auto"'s choices. Per recording it reports "auto"'s speed over the best fixed cap (geometric mean over the replays, its 5th percentile,
 the share of replays within 5%), over plain steps, and the share of utterances at each cap; `replay.png` shows the
 spread.
 
