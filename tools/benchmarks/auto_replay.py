@@ -17,9 +17,9 @@ over the prompts in their recorded order, many times; a lossless policy's stints
 over a window of their tokens, as live ones do, from the other caps' recordings of the prompt (the same tokens).
 Each utterance's stint is one recording of the cap "auto" chose (drawn at random), and every fixed cap is scored
 on another recording of the same prompt, as the bench's separate runs are; "paired" scores them on the same
-recording instead, which leaves only "auto"'s choices. Per recording it reports "auto"'s speed over the best fixed cap (geometric mean over the replays, its 5th percentile,
-the share of replays within 5%), over plain steps, and the share of utterances at each cap; `replay.png` shows the
-spread.
+recording instead, which leaves only "auto"'s choices. Per recording it reports "auto"'s speed over the best
+fixed cap (geometric mean over the replays, its 5th percentile, the share of replays within 5%), over plain
+steps, and the share of utterances at each cap; `replay.png` shows the spread.
 
 What it leaves out: a live run's cold start, and the other work a live run does between "auto"'s utterances
 (a bench's other systems, a server's other stages). On the sample at 1 thread that work gave plain steps a slow
