@@ -160,7 +160,7 @@ def test_bench_and_demo_turn_bad_paths_into_messages(tmp_path):
 
 def test_bench_plot_takes_auto_utterances_without_steps(tmp_path):
     # rows without caps (a bench.json from before they were recorded) are left out, not a KeyError
-    from echospec.tools.bench.compare import plot
+    from echospec.tools.bench.report import plot
     from echospec.tools.bench.harness import System
 
     entry = {"speedup": 1.0, "speedup_ci95": [0.9, 1.1], "log_likelihood": {"mean": -1.0, "ci95": [-1.1, -0.9]}}

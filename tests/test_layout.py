@@ -57,3 +57,29 @@ def test_the_tree_contract_stands_alone():
     modules = _modules_after("import echospec.retriever.tree")
     assert "echospec.retriever.tree" in modules
     assert not {m for m in modules if m.startswith(("echospec.datastore", "sqlite_utils", "faiss", "torch"))}
+
+
+def _echospec_imports(path: Path) -> set[str]:
+    """The echospec modules a file imports, as absolute names (echospec.tools.cli.store, ...)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    package = ["echospec", *parts[:-1]]  # a module's package; an __init__'s is its own folder, the same list
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            found.add(".".join(base + (node.module.split(".") if node.module else [])))
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {name for name in found if name.startswith("echospec.")}
+
+
+def test_developer_benchmarks_stand_apart_from_what_ships():
+    # the benchmarks use the library and tools/commands.py, never the CLI's modules; nothing that ships
+    # imports a benchmark, so they can leave the wheel
+    benchmarks = sorted((ROOT / "tools" / "benchmarks").glob("*.py"))
+    assert {str(p.relative_to(ROOT)): sorted(n for n in _echospec_imports(p) if n.startswith("echospec.tools.cli"))
+            for p in benchmarks if any(n.startswith("echospec.tools.cli") for n in _echospec_imports(p))} == {}
+    shipped = [p for folder in MAY_IMPORT for p in (ROOT / folder).rglob("*.py") if "benchmarks" not in p.parts]
+    assert [str(p.relative_to(ROOT)) for p in shipped
+            if any(n.startswith("echospec.tools.benchmarks") for n in _echospec_imports(p))] == []
+    assert any(n == "echospec.tools.commands" for p in benchmarks for n in _echospec_imports(p))  # the parse sees them

@@ -5,4 +5,5 @@
     corpus/      the sample-model kit: speech tokenizer, corpus synthesis, TTS prompt format, model training
     benchmarks/  developer benchmarks (`python -m echospec.tools.benchmarks.NAME`), on the shared harness
     sample/      the embedded sample those tools made: corpus, prompts, tokenizer, model (data only)
+    commands.py  what every command above shares: one-line errors, missing-extra messages, common options
 """

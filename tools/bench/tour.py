@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 from ..corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
-from .compare import bench, format_table, native_bfloat16
+from .load import native_bfloat16
+from .report import format_table
+from .run import bench
 
 
 def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, dtype: str = "float32", echo=print,

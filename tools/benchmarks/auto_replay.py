@@ -41,8 +41,7 @@ import click
 from ...datastore.files import atomic_file
 from ...decoder.cost import ARMS, ArmRates, FixedBudget, pick_window, steps_within
 from ..bench.harness import DTYPES, POLICIES, BenchError, pyplot, save_figure, write_results
-from ..cli.errors import fail_cleanly
-from ..cli.options import limit_option, out_option, threads_option
+from ..commands import fail_cleanly, limit_option, out_option, threads_option
 
 WITHIN = 0.95  # the bar: within 5% of the best fixed cap
 
@@ -69,7 +68,7 @@ def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", 
     from tqdm import tqdm
 
     from ...decoder import SpeculativeSession
-    from ..bench.compare import decode_inputs
+    from ..bench.load import decode_inputs
     from ..bench.harness import make_policy
 
     if stores not in ("speaker", "general"):

@@ -25,7 +25,7 @@ from ...datastore.files import atomic_file
 from ...retriever import CandidateTree
 from ..bench import harness
 from ..bench.harness import Prompt, System
-from ..cli.options import out_option, threads_option
+from ..commands import out_option, threads_option
 
 
 class PromptLookupTree:

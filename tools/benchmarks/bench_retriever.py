@@ -45,7 +45,7 @@ import numpy as np
 from ...datastore.files import atomic_file
 from ...retriever.tree import matched_depth
 from ..bench.harness import pin_threads, pyplot, save_figure
-from ..cli.options import out_option
+from ..commands import out_option
 from ..corpus.synth_corpus import SynthConfig, generate, write_jsonl
 from .rest_reference import RestReference
 

@@ -52,7 +52,7 @@ import numpy as np
 
 from ...datastore.files import atomic_file
 from ..bench.harness import balanced_order, pin_threads
-from ..cli.options import out_option
+from ..commands import out_option
 
 THREADS = 1  # per process: the clients, the service and this one
 MODES = ("inproc", "binary", "json", "httpx", "floor")

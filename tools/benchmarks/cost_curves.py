@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 
 from ..bench.harness import DTYPES, copying_grouped_heads, measure_cost_curve, pyplot, save_figure, write_results
-from ..cli.options import out_option
+from ..commands import out_option
 
 SHAPES = {
     # the shapes issue 13 and the README quote; 6564 outputs is CosyVoice 2's speech vocabulary (6561 + 3 stops)

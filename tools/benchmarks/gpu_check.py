@@ -24,7 +24,7 @@ import click
 
 from ...datastore.files import atomic_file
 from ..bench.harness import DTYPES, POLICIES, pyplot, save_figure
-from ..cli.options import out_option
+from ..commands import out_option
 
 
 def gpu_check(device: str = "cuda", dtype: str = "bfloat16", out_dir="runs/gpu-check", tiny: bool = False,

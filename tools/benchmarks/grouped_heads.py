@@ -25,7 +25,7 @@ from ...decoder.gqa import SWITCH
 from ..bench.harness import (POLICIES, System, balanced_order, copying_grouped_heads, echospec_run,
                              make_policy, warm_up)
 from ..bench.quality import median_ratio_ci, ratio_of_medians_ci
-from ..cli.options import limit_option, out_option, threads_option
+from ..commands import limit_option, out_option, threads_option
 from ..corpus import SAMPLE_MODEL_DIR, SAMPLE_PROMPTS
 
 
@@ -43,7 +43,7 @@ def compare(store, nodes: int = 8, policy: str = "exact-sampling", limit: int | 
     the KV cache per query head; the report as a dict."""
     import torch
 
-    from ..bench.compare import decode_inputs
+    from ..bench.load import decode_inputs
 
     if SWITCH in os.environ:
         raise click.UsageError(f"unset {SWITCH}: this benchmark sets it per system")

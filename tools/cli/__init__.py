@@ -5,8 +5,8 @@
     bench   bench, demo                  echospec.tools.bench (the bench extra)
     corpus  make-corpus, train-model     echospec.tools.corpus (train-model: the decoder extra)
 
-errors.py turns the project's errors and missing extras into one-line messages; options.py holds the
-options several commands share.
+Their one-line errors, missing-extra messages and shared options are echospec.tools.commands's, which the
+developer benchmarks use too.
 """
 
 import click

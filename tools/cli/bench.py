@@ -5,8 +5,7 @@ from __future__ import annotations
 import click
 
 from ..bench.harness import DTYPES, POLICIES
-from .errors import fail_cleanly, needs_extra
-from .options import limit_option, out_option, threads_option
+from ..commands import fail_cleanly, limit_option, needs_extra, out_option, threads_option
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -7,8 +7,7 @@ import json
 
 import click
 
-from .errors import fail_cleanly, needs_extra
-from .options import threads_option
+from ..commands import fail_cleanly, needs_extra, threads_option
 
 
 @click.command("make-corpus")

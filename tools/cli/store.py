@@ -16,7 +16,7 @@ import numpy as np
 from ...datastore import DatastoreError, open_datastore
 from ...datastore import build as build_datastore
 from ...datastore import enroll as enroll_speaker
-from .errors import fail_cleanly
+from ..commands import fail_cleanly
 
 
 @click.command()

@@ -1,5 +1,9 @@
-"""What goes wrong becomes one line: the project's errors, and a missing extra, end a command with
-`Error: <message>` and exit status 1, never a traceback."""
+"""What every command under tools/ shares, the `echospec` command's and the developer benchmarks' alike.
+
+What goes wrong becomes one line: the project's errors, and a missing extra, end a command with
+`Error: <message>` and exit status 1, never a traceback (`fail_cleanly`, `needs_extra`). Options several
+commands take are defined once (as sqlite-utils' cli.py shares `output_options`).
+"""
 
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """What bad input raises: a datastore or corpus error, a ValueError (bad prompts, checkpoints, options,
     training data), an OSError (a path that cannot be read or written), or make-corpus's missing engine or
     failed synthesis. Imported when an error is being handled, so no command pays for it at start-up."""
-    from ...datastore import DatastoreError
-    from ..corpus.make_corpus import EngineMissingError, SynthesisError
+    from ..datastore import DatastoreError
+    from .corpus.make_corpus import EngineMissingError, SynthesisError
 
     return (DatastoreError, EngineMissingError, SynthesisError, ValueError, OSError)
 
@@ -59,3 +63,21 @@ def needs_extra(extra: str):
             return command(*args, **kwargs)
         return wrapper
     return decorate
+
+
+def threads_option(command):
+    """--threads: torch threads for commands that run a model."""
+    return click.option("--threads", default=1, show_default=True, type=click.IntRange(1),
+                        help="torch threads (a small model runs fastest on one).")(command)
+
+
+def out_option(default: str | None, help: str = "Folder the results are written to."):
+    """--out (the `out_dir` parameter): the folder a command writes its results to; required without a default."""
+    return click.option("--out", "out_dir", default=default, required=default is None, show_default=default is not None,
+                        type=click.Path(file_okay=False), help=help)
+
+
+def limit_option(default: int | None = None, help: str = "Use the first N prompts."):
+    """--limit: how many prompts (or sentences) a command uses."""
+    return click.option("--limit", default=default, show_default=default is not None, type=click.IntRange(1),
+                        help=help)
