@@ -19,6 +19,8 @@ import contextlib
 import os
 import threading
 
+from .compat import sdpa_reads_gqa_switch
+
 SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
 _lock = threading.Lock()
 _holders = 0  # tree forwards inside the context now (sessions on several threads)
@@ -26,14 +28,15 @@ _holders = 0  # tree forwards inside the context now (sessions on several thread
 
 def copies_grouped_heads(model) -> bool:
     """True if a tree forward of `model` would copy its KV cache per query head (sdpa attention, grouped
-    key/value heads, a CPU) and the process has not set transformers' switch itself."""
+    key/value heads, a CPU) and the process has not set transformers' switch itself; False on a transformers
+    that never reads the switch (4.51), where tree forwards copy as before."""
     config = model.config
     heads = getattr(config, "num_attention_heads", None)
     groups = getattr(config, "num_key_value_heads", None) or heads
     with _lock:
         set_by_user = _holders == 0 and SWITCH in os.environ
     return (model.device.type == "cpu" and config._attn_implementation == "sdpa"
-            and heads is not None and groups < heads and not set_by_user)
+            and heads is not None and groups < heads and not set_by_user and sdpa_reads_gqa_switch())
 
 
 @contextlib.contextmanager

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from echospec.decoder import compat
 
 torch.set_num_threads(1)
 
@@ -161,19 +163,21 @@ def cosyvoice_lm_input(llm, text, prompt_text, prompt_speech) -> torch.Tensor:
         return torch.cat([sos[None], text_embeds, task[None], speech])[None]
 
 
-def cosyvoice_decode(llm, lm_input, min_len: int, max_len: int, pick) -> list[int]:
+def cosyvoice_decode(llm, lm_input, min_len: int, max_len: int, pick, masked=None) -> list[int]:
     """Qwen2LM.inference_wrapper's Hugging Face loop: the backbone with a KV cache on lm_input, then on each
     new token's speech_embedding row; llm_decoder on the last hidden state, log_softmax; before min_len only
     id speech_token_size is masked (sampling_ids); any stop id ends speech and is never yielded.
-    `pick(logp, decoded)` chooses the token (argmax, or CosyVoice's ras_sampling)."""
-    out, cache = [], None
+    `pick(logp, decoded)` chooses the token (argmax, CosyVoice's ras_sampling, vLLM's top-k draw); `masked`
+    (default [speech_token_size]) are the ids masked before min_len: vLLM's min_tokens masks every stop id."""
+    masked = [llm.speech_token_size] if masked is None else list(masked)
+    out, cache = [], {}
     with torch.no_grad():
         for i in range(max_len):
-            outs = llm.llm.model(inputs_embeds=lm_input, output_hidden_states=True, use_cache=True, cache=cache)
-            cache = outs.cache
+            outs = llm.llm.model(inputs_embeds=lm_input, output_hidden_states=True, use_cache=True, **cache)
+            cache = {compat.cache_argument(llm.llm.model): compat.output_cache(outs)}
             logp = llm.llm_decoder(outs.hidden_states[-1][:, -1]).log_softmax(dim=-1)[0]
             if i < min_len:
-                logp[llm.speech_token_size] = -float("inf")
+                logp[masked] = -float("inf")
             token = pick(logp, out)
             if token in llm.stop_token_ids:
                 break
@@ -204,6 +208,15 @@ def cosyvoice_ras(generator: torch.Generator, top_p=0.8, top_k=25, win_size=10, 
             scores[token] = -float("inf")
             token = int(torch.multinomial(scores.softmax(dim=0), 1, replacement=True, generator=generator))
         return token
+    return pick
+
+
+def top_k_draw(generator: torch.Generator, top_k: int = 25):
+    """vLLM's SamplingParams(top_k=25) with its other defaults (temperature 1, top_p 1) as a draw: the softmax
+    of the top_k largest logits."""
+    def pick(logp, decoded) -> int:
+        values, ids = logp.topk(top_k)
+        return int(ids[torch.multinomial(values.softmax(dim=0), 1, generator=generator)])
     return pick
 
 
@@ -241,13 +254,19 @@ def cosyvoice(version: int = 2, speech_token_size: int = 6561, text_vocab: int =
 
 # ---- the Hugging Face causal LMs and their tokenizers ----------------------------------------------------
 
-def word_tokenizer(vocab: dict[str, int], chat_template: str | None = None) -> PreTrainedTokenizerFast:
+def word_tokenizer(vocab: dict[str, int], chat_template: str | None = None, bos: str | None = None,
+                   eos: str | None = None) -> PreTrainedTokenizerFast:
     """A real tokenizer over `vocab`: special tokens (<|...|>, <custom_token_N>), words, punctuation, spaces and
-    newlines are tokens; anything else is <unk>. Stands in for the checkpoints' BPE tokenizers."""
+    newlines are tokens; anything else is <unk>; decoding joins the tokens back into the text. Stands in for the
+    checkpoints' BPE tokenizers: with `bos`, encoding puts it first unless add_special_tokens=False (as Llama
+    3's tokenizer does with <|begin_of_text|>); `eos` is the tokenizer's eos_token."""
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     pattern = Regex(r"<\|[^|]*\|>|<custom_token_\d+>|\w+|[^\w\s]| |\n")
     tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern, behavior="isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+    tokenizer.decoder = decoders.Fuse()
+    if bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, vocab[bos])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token=bos, eos_token=eos)
     if chat_template is not None:
         fast.chat_template = chat_template
     return fast
@@ -311,12 +330,15 @@ def llasa(seed: int = 0, steps: int = 60) -> HFReplica:
     return HFReplica(model, tokenizer, corpus, heldout, LLASA.speech.stop_ids)
 
 
+ORPHEUS_CUSTOM = {f"<custom_token_{n}>": 128256 + n for n in range(156940 - 128256)}
+
+
 def orpheus(seed: int = 0, steps: int = 60, codes: int = 12) -> HFReplica:
     """Orpheus: frames of 7 tokens, position p from 128266 + 4096 p; `codes` codes in use per position."""
     from echospec.decoder.presets import ORPHEUS
 
     torch.manual_seed(seed)
-    tokenizer = word_tokenizer(_text_vocab(LLAMA3))
+    tokenizer = word_tokenizer(_text_vocab(LLAMA3 | ORPHEUS_CUSTOM), bos="<|begin_of_text|>")
     model = LlamaForCausalLM(_config(LlamaConfig, 156940))
     plist = phrases(seed, codes, codebooks=7)  # compact ids p * codes + code
     to_model = lambda u: [ORPHEUS.speech.offset + (t // codes) * 4096 + t % codes for t in u]  # noqa: E731
@@ -330,6 +352,9 @@ def orpheus(seed: int = 0, steps: int = 60, codes: int = 12) -> HFReplica:
 SPARK_IDS = {"<|im_end|>": 151645, "<|task_tts|>": 165137, "<|start_content|>": 165146, "<|end_content|>": 165152,
              "<|start_global_token|>": 165150, "<|end_global_token|>": 165156, "<|start_semantic_token|>": 165151,
              "<|end_semantic_token|>": 165157}
+# voice creation's tokens (cli/SparkTTS.py process_prompt_control); their ids are the replica's own
+SPARK_STYLE = ["<|task_controllable_tts|>", "<|start_style_label|>", "<|end_style_label|>", "<|gender_0|>",
+               "<|gender_1|>", *(f"<|pitch_label_{i}|>" for i in range(5)), *(f"<|speed_label_{i}|>" for i in range(5))]
 SPARK_GLOBAL, SPARK_SEMANTIC = 151665, 155761
 
 
@@ -337,8 +362,10 @@ def spark_tts(seed: int = 0, steps: int = 60) -> HFReplica:
     torch.manual_seed(seed)
     names = {f"<|bicodec_global_{i}|>": SPARK_GLOBAL + i for i in range(4096)}
     names |= {f"<|bicodec_semantic_{i}|>": SPARK_SEMANTIC + i for i in range(8192)}
-    tokenizer = word_tokenizer(_text_vocab(SPARK_IDS | names))
+    names |= {name: 165900 + i for i, name in enumerate(SPARK_STYLE)}
+    tokenizer = word_tokenizer(_text_vocab(SPARK_IDS | names), eos="<|im_end|>")
     model = Qwen2ForCausalLM(_config(Qwen2Config, 166000))
+    model.generation_config.eos_token_id = SPARK_IDS["<|im_end|>"]  # the checkpoint's own, as generate reads it
     plist = phrases(seed, 40)
     corpus = [[SPARK_SEMANTIC + 500 + t for t in u] for u in utterances(seed + 1, plist, 40, 40, 40)]
     heldout = [[SPARK_SEMANTIC + 500 + t for t in u] for u in utterances(seed + 2, plist, 8, 40, 40)]
@@ -350,13 +377,18 @@ def spark_tts(seed: int = 0, steps: int = 60) -> HFReplica:
     return HFReplica(model, tokenizer, corpus, heldout, spark.speech.stop_ids)
 
 
+# the time and feature tokens of the speaker in tests (a real tokenizer has every value)
+OUTETTS_FEATURES = ["<|t_0.20|>", "<|t_0.33|>", "<|energy_10|>", "<|spectral_centroid_15|>", "<|pitch_45|>",
+                    "<|energy_0|>", "<|spectral_centroid_0|>", "<|pitch_0|>"]
+
+
 def outetts(seed: int = 0, steps: int = 60, codes: int = 16) -> HFReplica:
     """OuteTTS 1.0 on Llama: c1 from 128256, c2 from 129281 (as the Llama checkpoint's tokenizer has them);
     its other special tokens follow (their exact ids are the replica's own)."""
     torch.manual_seed(seed)
     names = {f"<|c1_{i}|>": 128256 + i for i in range(1025)} | {f"<|c2_{i}|>": 129281 + i for i in range(1025)}
     specials = ["<|im_start|>", "<|im_end|>", "<|text_start|>", "<|text_end|>", "<|audio_start|>", "<|audio_end|>",
-                "<|word_start|>", "<|word_end|>", "<|features|>", "<|code|>"]
+                "<|word_start|>", "<|word_end|>", "<|features|>", "<|code|>", *OUTETTS_FEATURES]
     names |= {name: 130306 + i for i, name in enumerate(specials)}
     tokenizer = word_tokenizer(_text_vocab(LLAMA3 | names))
     model = LlamaForCausalLM(_config(LlamaConfig, 130306 + 64))

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The lossless tests again on transformers 4.51.3, the release CosyVoice 2/3 pin (OuteTTS pins 4.52.3):
+# echospec must install and decode exactly beside them as well as on the current release. A second venv,
+# .venv-tf451 in the repository root, made once and reused; the slow end-to-end tests stay with the main run.
+#     bash tests/run_transformers_451.sh [pytest options]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.venv-tf451
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import transformers, echospec.decoder" 2>/dev/null; then
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q torch==2.13.0  # the CPU wheel: a bare `torch` pulls a multi-GB CUDA build
+    "$venv/bin/pip" install -q -e '.[decoder]' 'transformers==4.51.3' 'pytest>=8' 'pytest-timeout>=2.3' 'ftfy>=6'
+fi
+"$venv/bin/python" -c "import transformers; assert transformers.__version__ == '4.51.3', transformers.__version__"
+exec "$venv/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider \
+    tests/test_decoder_greedy.py tests/test_decoder_sampling.py tests/test_attach.py tests/test_presets.py \
+    tests/test_codebooks.py "$@"
