@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..retriever.tree import CandidateTree, matched_depth
+from . import compat
 from .cost import CURVE_SIZES, AutoBudget, CostCurve, FixedBudget, node_cap, prune_order
 from .errors import DecoderInputError, UnsupportedModelError
 from .gqa import copies_grouped_heads, grouped_query_attention
@@ -52,7 +52,7 @@ def check_model(model, head=None) -> None:
             f"attention implementation {attention!r} cannot take a tree-attention mask; load the model with "
             f"attn_implementation='sdpa' or 'eager' (flash and flex attention are not supported)"
         )
-    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    layer_types = compat.layer_types(config)
     if any(t != "full_attention" for t in layer_types):
         raise UnsupportedModelError(f"only full-attention layers are supported, got {sorted(set(layer_types))}")
 
@@ -133,6 +133,7 @@ class SpeculativeSession:
         # needs them several times (the model must stay where it is while a session decodes with it)
         self.device, self.dtype = model.device, model.dtype
         self.backbone = model if head is None else model.base_model
+        self._cache_argument = compat.cache_argument(self.backbone)
         self._copies_grouped_heads = copies_grouped_heads(model)
         self.policy = policy or ExactGreedy()
         self.vocab_size = self._output_size()
@@ -160,7 +161,7 @@ class SpeculativeSession:
         self.stats = GenerationStats(token_rate=token_rate)
         table = self._output_table()
         self.policy.bind(None if table is None else (lambda ids: table[ids.to(table.device)]))
-        self.cache = DynamicCache(config=model.config)
+        self.cache = compat.new_cache(model.config)
         self.cached = 0  # tokens in the KV cache
         self._prompt_length = 0
         self.prompt_ids: list[int] = []
@@ -215,11 +216,12 @@ class SpeculativeSession:
         """The model's logits [1, T, V] as float32 on the host (only the last position's with `last_only`),
         filling the cache."""
         start = time.perf_counter()
+        cache = {self._cache_argument: self.cache}  # `cache` in transformers 5, `past_key_values` in 4
         if self.head is None:
-            logits = self.model(**inputs, cache=self.cache, use_cache=True, logits_to_keep=int(last_only),
+            logits = self.model(**inputs, **cache, use_cache=True, logits_to_keep=int(last_only),
                                 **kwargs).logits
         else:
-            hidden = self.backbone(**inputs, cache=self.cache, use_cache=True, **kwargs).last_hidden_state
+            hidden = self.backbone(**inputs, **cache, use_cache=True, **kwargs).last_hidden_state
             logits = self.head(hidden[:, -1:] if last_only else hidden)
         logits = logits.float().cpu()  # policies and their seeded CPU generators work on the host
         self.stats.forward_seconds += time.perf_counter() - start  # after the copy: a GPU's call returns early
@@ -263,7 +265,7 @@ class SpeculativeSession:
         prompt_speech = self.prompt_speech if self.prompt_speech is not None else self.speech.to_local(self.prompt_ids)
         self.context = list(prompt_speech)
         logits = self._logits(inputs, last_only=True)[0, -1:]
-        if any(type(layer) is not DynamicLayer for layer in self.cache.layers):
+        if not compat.keeps_every_token(self.cache):
             raise UnsupportedModelError("the model's cache has layers other than full-attention DynamicLayer")
         self.cached = self._prompt_length = length
         _, bonus = self.policy.walk(VerifiedTree(logits, [], [[]], self._state_at))
@@ -415,10 +417,9 @@ class SpeculativeSession:
         if moved < len(path):
             source = torch.tensor(path[moved:], device=self.device) + root + 1
             target = slice(root + 1 + moved, root + 1 + len(path))
-            for layer in self.cache.layers:
-                if layer.is_initialized and layer.keys.numel():
-                    layer.keys[..., target, :] = layer.keys.index_select(-2, source)
-                    layer.values[..., target, :] = layer.values.index_select(-2, source)
+            for keys, values in compat.layer_tensors(self.cache):
+                keys[..., target, :] = keys.index_select(-2, source)
+                values[..., target, :] = values.index_select(-2, source)
         if n_nodes > len(path):
             self.cache.crop(-(n_nodes - len(path)))
         self.cached = root + 1 + len(path)

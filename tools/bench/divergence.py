@@ -44,17 +44,18 @@ def plain_logits(model, prompt_ids: list[int], tokens: list[int], position: int)
     """The logits a plain one-token-at-a-time decode computes for output `position` after `tokens`:
     the prompt in one forward, then one forward per token, as autoregressive decoding runs."""
     import torch
-    from transformers import DynamicCache
+
+    from ...decoder import compat
 
     device = model.device
-    cache = DynamicCache(config=model.config)
+    cache = {compat.cache_argument(model): compat.new_cache(model.config)}
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([prompt_ids], device=device), cache=cache, use_cache=True,
+        out = model(input_ids=torch.tensor([prompt_ids], device=device), **cache, use_cache=True,
                     logits_to_keep=1)
         for offset, token in enumerate(tokens[:position]):
             out = model(input_ids=torch.tensor([[token]], device=device),
                         position_ids=torch.tensor([[len(prompt_ids) + offset]], device=device),
-                        cache=cache, use_cache=True)
+                        **cache, use_cache=True)
     return out.logits[0, -1].float().cpu()
 
 

@@ -55,7 +55,9 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     `generate` takes them (CosyVoice: `llm.llm.model`, head=llm.llm_decoder, speech_embedding=llm.speech_embedding).
     Speech ids: `speech` (a SpeechVocab, e.g. a preset's), else `speech_offset`, `vocab_size`, `stop_ids`
     (the build's names), else the checkpoint's or the store's. `prompts`: see `load.load_prompts`. `sampler`
-    (default RAS) is what the sampling policies and their baseline sample with; `token_rate` (speech tokens
+    (a Sampler or RAS, or a name in `echospec.decoder.presets.SAMPLERS`: a model's own rule; default RAS) is
+    what the sampling policies and their baseline sample with, recorded in the report's
+    setup["sampler"]; `token_rate` (speech tokens
     a second, default the checkpoint's or 25) scales the LM real-time factor. Hugging Face `generate` is the
     greedy baseline where it can run the model (no head, ids prompts); else echospec's own autoregressive loop.
     Every prompt is decoded `rounds` times, each utterance with its own seed (`seed` + its index).
@@ -70,6 +72,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
 
     from ...decoder.cost import node_cap
 
+    sampler_name, sampler = _sampler(sampler)
     unknown = set(sweep_policies) - set(policies)
     if unknown:
         raise BenchError(f"sweep policies {', '.join(sorted(unknown))} are not among the benchmarked policies")
@@ -105,10 +108,20 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
                        "device": device, "dtype": dtype,
                        "speech": {"offset": speech.offset, "size": speech.size, "stop_ids": list(speech.stop_ids),
                                   "codebooks": speech.codebooks},
-                       "relaxed": asdict(inputs.relaxed)}
+                       "relaxed": asdict(inputs.relaxed),
+                       "sampler": {"preset": sampler_name, "rule": repr(sampler)}}
     if out_dir is not None:
         write_report(report, compared, Path(out_dir))
     return report
+
+
+def _sampler(sampler) -> tuple[str | None, object]:
+    """(the preset's name or None, the sampling rule) for bench's `sampler`: a name, a rule or None (RAS)."""
+    from ...decoder import RAS, presets
+
+    if isinstance(sampler, str):
+        return sampler, presets.sampler(sampler)
+    return None, sampler or RAS()
 
 
 def systems(inputs: DecodeInputs, policies: list[str], stores: list[str], sweep_nodes, sweep_depths,

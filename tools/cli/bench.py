@@ -29,6 +29,10 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Speech tokens per second of audio, for the LM real-time factor [the checkpoint's, else 25].")
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), help="tokenizer.npz for log-mel distortion.")
 @click.option("--policy", "policies", multiple=True, type=click.Choice(POLICIES), help="Policies (default: all).")
+@click.option("--sampler", default="ras", show_default=True,
+              help="What the sampling policies and their baseline sample with: a model's own rule by preset name "
+                   "(ras, cosyvoice, cosyvoice-vllm, llasa, orpheus, spark-tts, outetts; "
+                   "echospec.decoder.presets.SAMPLERS).")
 @click.option("--stores", default="speaker,general", show_default=True, help="Which stores: speaker, general.")
 @click.option("--nodes", default="auto", show_default=True,
               help="Node cap: 'auto' (the fastest cap measured, 0 = plain steps) or an integer to pin it.")
@@ -54,7 +58,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @needs_extra("bench")
 @fail_cleanly
 def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_ids, token_rate, tokenizer, policies,
-                  stores, nodes, depth, sweep_nodes, sweep_depths, sweep_policies, limit, rounds, max_new_tokens,
+                  sampler, stores, nodes, depth, sweep_nodes, sweep_depths, sweep_policies, limit, rounds, max_new_tokens,
                   threads, seed, dtype, device, tau, beta, similarity, out_dir):
     """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT: an echospec TTS
     checkpoint or any Hugging Face causal LM folder (a model with its own speech head: the Python API,
@@ -74,7 +78,8 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
     if nodes != "auto" and not nodes.isdigit():
         raise click.BadParameter(f"{nodes!r}: a non-negative integer (0: no tree) or 'auto'", param_hint="--nodes")
     report = bench(checkpoint, store, prompts, speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
-                   token_rate=token_rate, tokenizer=tokenizer, policies=policies or POLICIES, stores=stores,
+                   token_rate=token_rate, tokenizer=tokenizer, policies=policies or POLICIES, sampler=sampler,
+                   stores=stores,
                    max_nodes=nodes if nodes == "auto" else int(nodes), max_depth=depth,
                    sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,),
                    sweep_policies=sweep_policies, limit=limit, rounds=rounds,
