@@ -9,6 +9,10 @@ class CorpusError(DatastoreError):
     """The corpus is unusable; the message names the file and, where there is one, the line."""
 
 
+class EnrollmentConflict(DatastoreError):
+    """An enrollment gives an utterance id the speaker already has, with other tokens (409 over HTTP)."""
+
+
 class DamagedStoreError(DatastoreError):
     """A store's files are inconsistent though the catalog accepted them (corrupted on disk): the store is
     refused; others stay usable. `echospec info --verify` names the damaged file."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import glob
 import os
 import shutil
 import signal
@@ -41,20 +42,46 @@ def atomic_file(path: str | os.PathLike, mode: str = "w"):
 
 
 @contextmanager
-def atomic_dir(path: str | os.PathLike):
-    """Yield an empty temporary directory beside `path`; when the block ends without error, make everything
-    in it durable and swap it in for `path` (an existing `path` is replaced whole). On an error it is removed."""
+def atomic_dir(path: str | os.PathLike, tag: str = "tmp", replace: bool = True):
+    """Yield an empty temporary directory beside `path` (`.NAME.TAG-PID-XXXXXXXX`: `remove_abandoned` finds
+    those of killed processes); when the block ends without error, make everything in it durable and swap it
+    in for `path`: an existing `path` is replaced whole, or with `replace=False` kept (another attempt at the
+    same work finished first) and this one removed. On an error the temporary directory is removed.
+
+    The one way the project writes a directory: datastores, their speaker stores, a build's finished tasks,
+    and the tools' checkpoints."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.{tag}-{os.getpid()}-"))
     try:
         os.chmod(tmp, SHARED_DIR_MODE)
         yield tmp
         fsync_tree(tmp)
-        replace_dir(tmp, path)
+        if replace:
+            replace_dir(tmp, path)
+        else:
+            _rename_unless_present(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _rename_unless_present(tmp: Path, path: Path) -> None:
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        if not path.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync_dir(path.parent)
+
+
+def remove_abandoned(path: Path, tag: str = "tmp") -> None:
+    """Delete the temporary directories `atomic_dir(path, tag)` left in processes that are gone (killed)."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.{tag}-*"):
+        pid = tmp.name.rsplit("-", 2)[-2]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def replace_dir(tmp: Path, target: Path) -> None:

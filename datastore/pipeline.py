@@ -66,13 +66,12 @@ def run(work: Path, files: list[Path], vocab: Vocabulary, codebooks: int, shards
     started = time.perf_counter()
     units = _partition(work, files, vocab, shards, per_speaker, runner, progress)
     read = time.perf_counter()
+    if sum(u["tokens"] for u in units) == 0:  # said alone: no warning about what was skipped first
+        names = ", ".join(str(f) for f in files)
+        raise CorpusError(f"{names}: corpus is empty (no speech tokens)")
     skipped = [u for u in units if u["skipped"]]
     if skipped:
         warn_skipped(skipped[0]["first_skipped"], sum(u["skipped"] for u in skipped))
-    n_tokens = sum(u["tokens"] for u in units)
-    if n_tokens == 0:
-        names = ", ".join(str(f) for f in files)
-        raise CorpusError(f"{names}: corpus is empty (no speech tokens)")
     if vocab.size is None:  # the largest id seen, rounded up to whole codebooks
         size = -(-(max(u["max_id"] for u in units) + 1) // codebooks) * codebooks
         vocab = Vocabulary(vocab.speech_offset, size, vocab.stop_ids, vocab.drop_ids)

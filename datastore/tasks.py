@@ -40,9 +40,9 @@ import numpy as np
 
 from .catalog import sha256
 from .corpus import UniqueIds, Utterance, Vocabulary, has_speech, read_unit, split_layout_breaks, split_segments
-from .errors import CorpusError, DatastoreError
+from .errors import CorpusError, DatastoreError, one_line
 from .exact import FILES, write_exact_store
-from .files import fsync_dir, fsync_tree
+from .files import atomic_dir
 from .names import check_name
 
 CHUNK_TOKENS = 1 << 24
@@ -69,8 +69,7 @@ def partition_unit(work: str, index: int, unit: tuple[str, int], vocab: dict, sh
                    per_speaker: bool) -> dict:
     """Split one corpus unit into per-shard and per-speaker-group files; returns the unit's counts."""
     final = Path(work) / "parts" / f"unit-{index:06d}"
-    tmp = _fresh_tmp(final)
-    try:
+    with atomic_dir(final, replace=False) as tmp:
         writer = _PartitionWriter(tmp, shards, groups if per_speaker else 0)
         speakers: set[str] = set()
         for utt in read_unit(unit, Vocabulary(**{k: tuple(v) if isinstance(v, list) else v
@@ -81,10 +80,7 @@ def partition_unit(work: str, index: int, unit: tuple[str, int], vocab: dict, sh
             writer.add(utt)
         stats = {"unit": index, **writer.close()}
         _write_json(tmp / "done.json", stats)
-        return _publish(tmp, final, "done.json")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return _read_json(final / "done.json")
 
 
 def _check_speaker(utt: Utterance) -> None:
@@ -99,18 +95,26 @@ def _check_speaker(utt: Utterance) -> None:
 
 
 def finished_unit(work: Path, index: int) -> dict | None:
-    """A unit's counts if an earlier run partitioned it completely (every file present, sizes as written)."""
+    """A unit's counts if an earlier run partitioned it completely and its files are as written (size and
+    sha256: a file damaged since, even at its size, has the unit partitioned again)."""
     directory = work / "parts" / f"unit-{index:06d}"
     stats = _read_json(directory / "done.json")
-    if stats is None or not all(_size(directory / name) == size for name, size in stats["files"].items()):
+    try:
+        files = [(directory / name, size, stats["sha256"][name]) for name, size in stats["files"].items()]
+    except (TypeError, KeyError, AttributeError):  # no such unit, or one from before checksums
         return None
-    return stats
+    return stats if all(_intact(*file) for file in files) else None
+
+
+def _intact(path: Path, size: int, digest: str) -> bool:
+    return _size(path) == size and sha256(path) == digest
 
 
 class _PartitionWriter:
     def __init__(self, directory: Path, shards: int, groups: int):
         self.directory, self.shards, self.groups = directory, shards, groups
         self.files: dict[str, int] = {}
+        self.digests: dict[str, str] = {}
         self.chunk = 0
         self.shard_tokens = [0] * shards
         self.shard_segments = [0] * shards
@@ -184,6 +188,7 @@ class _PartitionWriter:
         with open(path, "wb") as f:
             np.savez(f, **arrays)
         self.files[name] = path.stat().st_size
+        self.digests[name] = sha256(path)
 
     def close(self) -> dict:
         self._flush()
@@ -191,7 +196,7 @@ class _PartitionWriter:
                 "skipped": self.skipped, "first_skipped": self.first_skipped,
                 "shard_tokens": self.shard_tokens, "shard_segments": self.shard_segments,
                 "shard_utterances": self.shard_utterances,
-                "group_tokens": self.group_tokens, "files": self.files}
+                "group_tokens": self.group_tokens, "files": self.files, "sha256": self.digests}
 
 
 def _pack_segments(segments: list[np.ndarray]) -> dict:
@@ -215,8 +220,13 @@ def unpack_strings(data, key: str) -> list[str]:
 
 
 def _load_segments(path: Path) -> tuple[list[np.ndarray], dict]:
-    with np.load(path, allow_pickle=False) as data:
-        arrays = {name: data[name] for name in data.files}
+    try:  # the driver checked this file's sha256; damage since is one line, and the unit is read again
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in data.files}
+    except Exception as e:
+        shutil.rmtree(path.parent, ignore_errors=True)
+        raise DatastoreError(f"{path}: a build work file is damaged ({one_line(e)}); it was removed: run the "
+                             "same build again") from None
     if not len(arrays["lengths"]):  # a shard file may hold only ids (utterances without speech)
         return [], arrays
     cuts = np.cumsum(arrays["lengths"])[:-1]
@@ -230,8 +240,7 @@ def build_shard(work: str, shard: int, files: list[str], vocab_size: int, depth:
     """Shard `shard` of the general store from its partition files (in corpus order)."""
     started = time.perf_counter()
     final = Path(work) / "shards" / f"shard-{shard:05d}"
-    tmp = _fresh_tmp(final)
-    try:
+    with atomic_dir(final, replace=False) as tmp:
         _write_json(tmp / "task.json", _whoami())  # which worker builds it, for whoever watches
         segments, ids = [], UniqueIds()
         for name in files:
@@ -246,18 +255,14 @@ def build_shard(work: str, shard: int, files: list[str], vocab_size: int, depth:
         manifest = {"shard": shard, **counts, "layout_breaks": breaks, "files": _checksums(tmp, FILES), **_whoami(),
                     "peak_rss_bytes": _peak_rss(), "seconds": round(time.perf_counter() - started, 3)}
         _write_json(tmp / MANIFEST, manifest)
-        return _publish(tmp, final, MANIFEST)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return _read_json(final / MANIFEST)
 
 
 def build_speakers(work: str, group: int, files: list[str], vocab_size: int, depth: int, codebooks: int) -> dict:
     """The speaker stores of speaker group `group`, each from its segments in corpus order."""
     started = time.perf_counter()
     final = Path(work) / "speakers" / f"group-{group:05d}"
-    tmp = _fresh_tmp(final)
-    try:
+    with atomic_dir(final, replace=False) as tmp:
         _write_json(tmp / "task.json", _whoami())
         segments: dict[str, list[np.ndarray]] = {}
         for name in files:
@@ -275,26 +280,20 @@ def build_speakers(work: str, group: int, files: list[str], vocab_size: int, dep
         manifest = {"group": group, "speakers": speakers, **_whoami(), "peak_rss_bytes": _peak_rss(),
                     "seconds": round(time.perf_counter() - started, 3)}
         _write_json(tmp / MANIFEST, manifest)
-        return _publish(tmp, final, MANIFEST)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return _read_json(final / MANIFEST)
 
 
 def finished_store(directory: Path) -> dict | None:
     """The manifest of a shard or speaker group an earlier run finished, if every file it lists still has
     its size and sha256; else None (it is then built again)."""
     manifest = _read_json(directory / MANIFEST)
-    if manifest is None:
+    try:
+        stores = [(directory / s["directory"], s["files"]) for s in manifest["speakers"]] \
+            if "speakers" in manifest else [(directory, manifest["files"])]
+        files = [(where / row["name"], row["bytes"], row["sha256"]) for where, rows in stores for row in rows]
+    except (TypeError, KeyError, AttributeError):
         return None
-    stores = [(directory / s["directory"], s["files"]) for s in manifest["speakers"]] if "speakers" in manifest \
-        else [(directory, manifest["files"])]
-    for where, files in stores:
-        for row in files:
-            path = where / row["name"]
-            if _size(path) != row["bytes"] or sha256(path) != row["sha256"]:
-                return None
-    return manifest
+    return manifest if all(_intact(*file) for file in files) else None
 
 
 def _checksums(directory: Path, names) -> list[dict]:
@@ -303,27 +302,6 @@ def _checksums(directory: Path, names) -> list[dict]:
 
 
 # --- files -------------------------------------------------------------------------------------------------
-
-
-def _fresh_tmp(final: Path) -> Path:
-    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _publish(tmp: Path, final: Path, marker: str) -> dict:
-    """Make everything in `tmp` durable, then rename it to `final`. A `final` only ever appears complete
-    (by this rename), so when it already exists another attempt of the same task finished first: keep it.
-    (The driver removes a `final` that failed verification before it runs the task again.)"""
-    fsync_tree(tmp)
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / marker).is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-    fsync_dir(final.parent)
-    return json.loads((final / marker).read_text())
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -10,6 +10,7 @@ import pytest
 from echospec.datastore import (
     CorpusError,
     DatastoreError,
+    EnrollmentConflict,
     build,
     enroll,
     open_datastore,
@@ -43,7 +44,7 @@ def test_enroll_adds_a_speaker_and_leaves_general_files_identical(tmp_path, stor
     before = digests(store)
     assert any(name.startswith("faiss/") for name in before)
     # a phrase only the new speaker says: 45 46 47 48 49 (ids unused by the corpus)
-    ds = enroll(store, "newbie", jsonl(tmp_path / "n.jsonl", [[45, 46, 47, 48, 49]] * 3))
+    ds = enroll(store, "newbie", jsonl(tmp_path / "n.jsonl", [[45, 46, 47, 48, 49]] * 3)).datastore
     assert digests(store) == before
     assert ds.speakers == ("newbie", "old") and ds.info()["speakers"]["newbie"] == {
         "utterances": 3, "tokens": 15, "enrolled_at": ds.info()["speakers"]["newbie"]["enrolled_at"]}
@@ -54,9 +55,9 @@ def test_enroll_adds_a_speaker_and_leaves_general_files_identical(tmp_path, stor
 
 def test_append_then_replace(tmp_path, store):
     enroll(store, "ann", jsonl(tmp_path / "a.jsonl", [[1, 2, 3]]))
-    ds = enroll(store, "ann", jsonl(tmp_path / "b.jsonl", [[4, 5], [6, 7]]))
+    ds = enroll(store, "ann", jsonl(tmp_path / "b.jsonl", [[4, 5], [6, 7]])).datastore
     assert speaker_segments(ds, "ann") == [[1, 2, 3], [4, 5], [6, 7]] and ds.info()["speakers"]["ann"]["utterances"] == 3
-    ds = enroll(store, "ann", jsonl(tmp_path / "c.jsonl", [[8, 9]]), replace=True)
+    ds = enroll(store, "ann", jsonl(tmp_path / "c.jsonl", [[8, 9]]), replace=True).datastore
     assert speaker_segments(ds, "ann") == [[8, 9]] and ds.info()["speakers"]["ann"]["utterances"] == 1
     assert len(list((store / "speakers").iterdir())) == 2  # old + ann; replaced directories are gone
 
@@ -109,9 +110,9 @@ def test_bad_enrollments(tmp_path, store):
     assert "ann" not in open_datastore(store).speakers and digests(store) == before
 
 
-def test_enrollment_corpus_is_checked_as_a_whole(tmp_path, store):
-    """Duplicate ids within one enrollment are refused; utterances with no speech tokens are skipped.
-    Ids already in the catalog are not duplicates: a client may resend an enrollment it saw no answer to."""
+def test_enrollment_corpus_is_checked_as_a_whole(tmp_path, store, caplog):
+    """Duplicate ids within one enrollment are refused; utterances with no speech tokens are skipped, and none
+    at all is one error, with no warning about what was skipped before it."""
     before = digests(store)
     dup = tmp_path / "d.jsonl"
     dup.write_text('{"id": "x", "tokens": [1, 2]}\n{"id": "x", "tokens": [3]}\n')
@@ -120,13 +121,97 @@ def test_enrollment_corpus_is_checked_as_a_whole(tmp_path, store):
     assert "ann" not in open_datastore(store).speakers and digests(store) == before
     mixed = tmp_path / "m.jsonl"
     mixed.write_text('{"id": "x", "tokens": [1, 2]}\n{"id": "y", "tokens": []}\n')
-    assert enroll(store, "ann", mixed).info()["speakers"]["ann"]["utterances"] == 1
-    assert enroll(store, "ann", mixed).info()["speakers"]["ann"]["utterances"] == 2
+    assert enroll(store, "ann", mixed).datastore.info()["speakers"]["ann"]["utterances"] == 1
+    caplog.clear()
+    with pytest.raises(CorpusError, match=r"^utterances: corpus is empty \(no speech tokens\)$"):
+        enroll(store, "ann", [{"id": "z", "tokens": []}])
+    assert "skipped" not in caplog.text
+
+
+# --- a resent enrollment: idempotent by utterance id within a speaker ----------------------------------------
+
+
+def test_the_same_ids_and_tokens_again_change_nothing(tmp_path, store):
+    utterances = [{"id": f"u{i}", "tokens": [i, i + 1, i + 2]} for i in range(5)]
+    first = enroll(store, "ann", utterances)
+    assert (first.added, first.unchanged) == (5, 0)
+    files = digests_of(store / "speakers")
+    again = enroll(store, "ann", utterances)
+    assert (again.added, again.unchanged) == (0, 5)
+    assert digests_of(store / "speakers") == files  # nothing was written
+    more = enroll(store, "ann", utterances[3:] + [{"id": "u5", "tokens": [7, 7]}])
+    assert (more.added, more.unchanged) == (1, 2)
+    assert speaker_segments(more.datastore, "ann") == [u["tokens"] for u in utterances] + [[7, 7]]
+    assert open_datastore(store, verify=True).info()["speakers"]["ann"]["utterances"] == 6
+
+
+def test_a_known_id_with_other_tokens_is_refused_unless_replacing(tmp_path, store):
+    enroll(store, "ann", [{"id": "u1", "tokens": [1, 2, 3]}, {"id": "u2", "tokens": [4, 5]}])
+    files = digests_of(store / "speakers")
+    with pytest.raises(EnrollmentConflict, match=r"^utterances\[1\]: speaker 'ann' already has utterance 'u2' "
+                                                 r"with other tokens; nothing was enrolled"):
+        enroll(store, "ann", [{"id": "u3", "tokens": [9]}, {"id": "u2", "tokens": [4, 6]}])
+    assert digests_of(store / "speakers") == files
+    other = enroll(store, "bob", [{"id": "u2", "tokens": [4, 6]}])  # ids are per speaker
+    assert other.added == 1
+    replaced = enroll(store, "ann", [{"id": "u2", "tokens": [4, 6]}], replace=True)
+    assert speaker_segments(replaced.datastore, "ann") == [[4, 6]] and replaced.added == 1
+
+
+def test_the_same_ids_in_a_file_enrolled_twice_with_the_command_line(tmp_path, store):
+    """The issue's case: `echospec enroll st s u.jsonl` twice left two "u1" rows."""
+    from click.testing import CliRunner
+    from echospec.tools.cli import main
+
+    (tmp_path / "u.jsonl").write_text('{"id": "u1", "tokens": [1, 2, 3]}\n')
+    runner = CliRunner()
+    first = runner.invoke(main, ["enroll", str(store), "s", str(tmp_path / "u.jsonl")])
+    again = runner.invoke(main, ["enroll", str(store), "s", str(tmp_path / "u.jsonl")])
+    assert first.exit_code == again.exit_code == 0, again.output
+    assert "1 utterances added" in first.output and "0 utterances added; 1 already enrolled" in again.output
+    assert open_datastore(store).info()["speakers"]["s"]["utterances"] == 1
+    (tmp_path / "u.jsonl").write_text('{"id": "u1", "tokens": [1, 2, 4]}\n')
+    changed = runner.invoke(main, ["enroll", str(store), "s", str(tmp_path / "u.jsonl")])
+    assert changed.exit_code == 1 and "Traceback" not in changed.output
+    assert changed.output.strip().splitlines() == [
+        f"Error: {tmp_path / 'u.jsonl'}:1: speaker 's' already has utterance 'u1' with other tokens; nothing was "
+        "enrolled (replace the speaker's utterances to change it)"]
+
+
+def test_concurrent_identical_enrollments_leave_one_copy(tmp_path, store):
+    utterances = [{"id": f"u{i}", "tokens": [i, i + 1, i + 2]} for i in range(5)]
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(enroll(store, "ann", utterances))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted((r.added, r.unchanged) for r in results) == [(0, 5)] * 7 + [(5, 0)]
+    ds = open_datastore(store, verify=True)
+    assert ds.info()["speakers"]["ann"]["utterances"] == 5
+    assert speaker_segments(ds, "ann") == [u["tokens"] for u in utterances]
+
+
+def test_a_speaker_built_with_the_store_is_idempotent_too(tmp_path):
+    """Ids and tokens of a speaker store the build made are read back from it."""
+    rows = [{"id": f"b{i}", "speaker": "old", "tokens": [i % 7, 40 + i % 3, 1, 8, 9][: 2 + i % 4]} for i in range(12)]
+    rows[3]["tokens"] = [1, 2, 49, 3]  # a stop id splits it: its speech tokens are what is compared
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = build(tmp_path / "c.jsonl", tmp_path / "st", vocab_size=49, stop_ids=[49], faiss=False, progress=False)
+    again = enroll(ds.root, "old", [{k: r[k] for k in ("id", "tokens")} for r in rows])
+    assert (again.added, again.unchanged) == (0, 12)
+    with pytest.raises(EnrollmentConflict, match="'b3'"):
+        enroll(ds.root, "old", [{"id": "b3", "tokens": [1, 2, 4]}])
+
+
+def digests_of(root):
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_appending_to_a_damaged_speaker_store_is_refused(tmp_path, store):
     """Out-of-vocabulary ids read back from a damaged store would overflow the new store's sort keys."""
-    ds = enroll(store, "ann", jsonl(tmp_path / "a.jsonl", [[1, 2, 3, 4]] * 2))
+    ds = enroll(store, "ann", jsonl(tmp_path / "a.jsonl", [[1, 2, 3, 4]] * 2)).datastore
     tokens = np.load(ds.speaker_store("ann").directory / "tokens.npy", mmap_mode="r+")
     tokens[2] = 60_000  # same size, not the sentinel, far outside vocab_size 50
     tokens.flush()

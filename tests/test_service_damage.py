@@ -1,13 +1,16 @@
-"""A store damaged under a running service: its proposals are refused with a 503 naming it, the service
-stays up, and every other store keeps answering."""
+"""A store damaged under a running service, or found damaged when it starts: its requests are refused with
+a 503 naming it, the service stays up, and every other store keeps answering."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import numpy as np
 import pytest
-from service_testing import Server, copy_store, make_store, post_json
+from service_testing import API_KEY, VOCAB, Server, copy_store, make_store, post_json, request, write_jsonl
 
-from echospec.datastore import open_datastore
+from echospec.datastore import build, open_datastore
 from echospec.retriever import Retriever
 from echospec.retriever.remote import RemoteRetriever, RetrieverUnavailable
 
@@ -36,3 +39,62 @@ def test_a_damaged_speaker_store_is_refused_and_the_others_answer(tmp_path):
             assert status == 200 and answer == {"tree": expected[speaker]}
         assert server.output().count("store is damaged") == 1  # logged once, not once a request
         assert "Traceback" not in server.output()
+
+
+def damage(store, how):
+    """Damage `store` as the issue found: a missing shard file, a bad .npy header, a damaged catalog."""
+    ds = open_datastore(store)
+    if how == "missing general file":
+        (store / "general" / "sa.npy").unlink()
+    elif how == "bad npy header":
+        path = ds.speaker_store(ds.speakers[0]).directory / "tokens.npy"
+        data = bytearray(path.read_bytes())
+        data[10:20] = b"\xff" * 10  # same size, the header's dict unreadable
+        path.write_bytes(bytes(data))
+    else:
+        import sqlite3
+
+        with sqlite3.connect(store / "catalog.sqlite") as db:
+            db.execute("DELETE FROM meta WHERE key = 'vocab_size'")
+
+
+@pytest.mark.parametrize("how", ["missing general file", "bad npy header", "damaged catalog"])
+def test_a_store_damaged_at_start_up_is_refused_and_the_others_served(tmp_path, how):
+    """`echospec serve good=a dmg=b` with b damaged starts: good answers, dmg is a 503 `store_damaged`, /healthz
+    says which is damaged (200: the service is up). A rebuild of dmg is picked up; --strict refuses to start."""
+    store, corpus = make_store(tmp_path / "built", n_tokens=5000, n_speakers=2)
+    good, bad = copy_store(store, tmp_path / "good"), copy_store(store, tmp_path / "dmg")
+    damage(bad, how)
+    context = corpus[0]["tokens"][:20]
+    with Server(f"good={good}", f"dmg={bad}") as server:
+        status, _, body = request(server.url, "GET", "/healthz")
+        health = json.loads(body)
+        assert status == 200 and health["status"] == "degraded" and list(health["damaged"]) == ["dmg"]
+        assert post_json(server.url, "/v1/stores/good/propose", {"context": context}) == \
+            (200, {"tree": Retriever(good).propose(context).to_dict()})
+        for path in ("/v1/stores/dmg/propose", "/v1/stores/dmg/speakers/ann"):
+            payload = {"context": context} if path.endswith("propose") else {"utterances": [{"id": "a", "tokens": [1]}]}
+            status, answer = post_json(server.url, path, payload, api_key=API_KEY)
+            assert (status, answer["error"]["code"]) == (503, "store_damaged"), answer
+            assert answer["error"]["message"].startswith("store 'dmg' is damaged: ")
+        listing = json.loads(request(server.url, "GET", "/v1/stores")[2])["stores"]
+        assert [s["name"] for s in listing] == ["good", "dmg"] and "damaged" in listing[1]
+        build(write_jsonl(corpus, tmp_path / "c.jsonl"), bad, vocab_size=VOCAB, faiss=False, force=True, progress=False)
+        deadline = time.monotonic() + 10
+        while post_json(server.url, "/v1/stores/dmg/propose", {"context": context})[0] != 200:
+            assert time.monotonic() < deadline, server.output()[-2000:]
+            time.sleep(0.2)
+        assert json.loads(request(server.url, "GET", "/healthz")[2])["status"] == "ok"
+        assert "Traceback" not in server.output()
+    damage(bad, how)
+    strict = Server(f"dmg={bad}", f"good={good}", args=("--strict",))  # the damaged one first: refused at once
+    with pytest.raises(RuntimeError, match="server exited with 1") as refused:
+        strict.start()
+    assert "Traceback" not in str(refused.value) and "Error: " in str(refused.value)
+
+
+def test_a_store_path_that_is_no_datastore_stops_the_start(tmp_path):
+    """A typo is no damage: the service refuses to start, in one line."""
+    store, _ = make_store(tmp_path / "built", n_tokens=3000, n_speakers=1)
+    with pytest.raises(RuntimeError, match=r"server exited with 1:\nError: .*nowhere: no such datastore directory"):
+        Server(f"typo={tmp_path / 'nowhere'}", f"good={store}").start()

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from service_testing import API_KEY, Server, copy_store, make_store, post_json
+from service_testing import API_KEY, Server, copy_store, make_store, post_json, request
 
 from echospec.retriever import Retriever
 from echospec.retriever.wire import BINARY, encode_contexts
@@ -207,3 +207,101 @@ def test_fuzz_gets_no_5xx_and_the_next_good_request_is_answered(server, built):
     store = built[0]
     status, answer = post_json(server.url, "/v1/stores/voices/propose", {"context": [1, 2, 3]})
     assert status == 200 and answer == {"tree": Retriever(store).propose([1, 2, 3]).to_dict()}
+
+
+# --- idle connections, HTTP/1.0, resent enrollments ----------------------------------------------------------
+
+
+def closed_by_server(sockets: list[socket.socket], wait: float) -> list[socket.socket]:
+    """Those of `sockets` the service has closed (read end-of-file or a reset) within `wait` seconds."""
+    closed, open_ = [], list(sockets)
+    deadline = time.monotonic() + wait
+    while open_ and time.monotonic() < deadline:
+        readable = select.select(open_, [], [], 0.05)[0]
+        for sock in readable:
+            try:
+                gone = sock.recv(65536) == b""
+            except ConnectionResetError:
+                gone = True
+            if gone:
+                closed.append(sock)
+                open_.remove(sock)
+    return closed
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_idle_connections_never_starve_health_checks_or_proposals(built, tmp_path, mode):
+    """The issue's case, scaled down: far more idle connections than the limit (kept-alive ones between
+    requests, then fresh ones that send nothing). The service closes the idle longest to make room, so
+    /healthz, JSON and binary proposals are answered (with uvicorn's limit they were 503 for 30-75 s), on
+    both HTTP paths, and it never holds more than the limit."""
+    limit, kept_alive, fresh = 64, 40, 300
+    store = copy_store(built[0], tmp_path / "voices")
+    sockets = []
+    with Server(store, options={**MODES[mode], "limits": {"max_connections": limit}}) as server:
+        try:
+            for _ in range(kept_alive):
+                sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert read_answer(sock).startswith(b"HTTP/1.1 200")
+                sockets.append(sock)
+            sockets += [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(fresh)]
+            context = [1, 2, 3]
+            for _ in range(3):
+                assert request(server.url, "GET", "/healthz")[0] == 200
+                assert post_json(server.url, "/v1/stores/voices/propose", {"context": context})[0] == 200
+                status, _, _ = request(server.url, "POST", "/v1/stores/voices/propose", encode_contexts([context]),
+                                       {"Content-Type": BINARY})
+                assert status == 200
+            closed = closed_by_server(sockets, wait=2.0)
+            assert len(sockets) - len(closed) <= limit  # what the service still holds of ours
+            assert set(sockets[:kept_alive]) <= set(closed)  # the idle longest went first
+        finally:
+            for sock in sockets:
+                sock.close()
+        assert "Traceback" not in server.output()
+
+
+@pytest.mark.parametrize("content_type, body", [
+    (BINARY.encode(), encode_contexts([[1, 2, 3]])),  # the fast path answers it inline
+    (b"application/json", json.dumps({"context": [1, 2, 3]}).encode()),
+])
+def test_http_1_0_keep_alive_is_answered_and_closed_on_both_paths(server, content_type, body):
+    """An HTTP/1.0 client asking to keep the connection alive gets its answer with `connection: close` and the
+    connection closed, whichever path answers (the fast path kept it open without saying so)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/stores/voices/propose HTTP/1.0\r\nConnection: keep-alive\r\nContent-Type: %s\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (content_type, len(body), body))
+        answer = read_answer(sock)
+        assert answer.startswith(b"HTTP/1.1 200") and b"\r\nconnection: close\r\n" in answer.lower()
+        sock.settimeout(2)
+        assert sock.recv(1) == b""
+
+
+def test_resent_enrollments_leave_one_copy(server):
+    """8 clients send the same 5 utterances at once (a retry after a lost acknowledgement, many times over):
+    every one is told success, one copy is kept, and an id sent again with other tokens is a 409."""
+    path = "/v1/stores/voices/speakers/retry"
+    utterances = [{"id": f"u{i}", "tokens": [1 + i, 2, 3, 4]} for i in range(5)]
+    answers = []
+
+    def send():
+        answers.append(post_json(server.url, path, {"utterances": utterances}, api_key=API_KEY))
+
+    threads = [threading.Thread(target=send) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [status for status, _ in answers] == [200] * 8, answers
+    assert sorted((a["enrolled"], a["unchanged"]) for _, a in answers) == [(0, 5)] * 7 + [(5, 0)]
+    assert all(a["utterances"] == 5 for _, a in answers)
+    status, info = post_json(server.url, path, {"utterances": utterances[:1]}, api_key=API_KEY)
+    assert (status, info["enrolled"], info["unchanged"]) == (200, 0, 1)
+    changed = [{"id": "u2", "tokens": [9, 9, 9]}]
+    status, answer = post_json(server.url, path, {"utterances": changed}, api_key=API_KEY)
+    assert (status, answer["error"]["code"]) == (409, "utterance_conflict")
+    assert answer["error"]["message"] == ("utterances[0]: speaker 'retry' already has utterance 'u2' with other "
+                                          "tokens; nothing was enrolled (replace the speaker's utterances to change it)")
+    status, answer = post_json(server.url, path, {"utterances": changed, "replace": True}, api_key=API_KEY)
+    assert (status, answer["utterances"], answer["enrolled"]) == (200, 1, 1)

@@ -142,7 +142,7 @@ def test_enroll_and_retriever_on_a_sharded_store(tmp_path):
     build(corpus, tmp_path / "s", shards=3, workers=1, faiss=False, progress=False)
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "s" / "general").rglob("*.npy")}
     (tmp_path / "new.jsonl").write_text(json.dumps({"id": "n1", "tokens": [1, 2, 3, 4, 1, 2, 3, 5]}) + "\n")
-    ds = enroll(tmp_path / "s", "newcomer", tmp_path / "new.jsonl")
+    ds = enroll(tmp_path / "s", "newcomer", tmp_path / "new.jsonl").datastore
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "s" / "general").rglob("*.npy")} == before
     tree = Retriever(ds, prompt_lookup=False, use_faiss=False).propose([9, 1, 2, 3], speaker="newcomer")
     assert {int(tree.tokens[i]) for i in range(len(tree)) if tree.depths[i] == 1} >= {4, 5}

@@ -13,6 +13,7 @@ import ipaddress
 import json
 import logging
 import os
+import resource
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -44,10 +45,12 @@ MAX_PARSED_QUERIES = 4096  # distinct propose query strings whose parse is kept
 
 
 class Service:
-    """The ASGI application. `stores` maps names to datastore directories, opened here (and warmed)."""
+    """The ASGI application. `stores` maps names to datastore directories, opened here (and warmed); one found
+    damaged is answered 503 `store_damaged` while the others are served, or with `strict` raises."""
 
     def __init__(self, stores: dict[str, str | Path], api_key: str | None = None, limits: Limits = Limits(),
-                 retriever_options: dict | None = None, reload_interval: float | None = 1.0, docs: bool = False):
+                 retriever_options: dict | None = None, reload_interval: float | None = 1.0, docs: bool = False,
+                 strict: bool = False):
         for name in stores:
             check_store_name("store", name)
         paths = [Path(p).resolve() for p in stores.values()]
@@ -58,10 +61,13 @@ class Service:
         self.metrics = Metrics()
         self._parsed_queries: dict[bytes, dict] = {}
         self._damaged: set[str] = set()  # damaged-store messages already logged
-        self.stores = {name: StoreHandle(name, path, dict(retriever_options or {}))
+        self.stores = {name: StoreHandle(name, path, dict(retriever_options or {}), strict)
                        for name, path in zip(stores, paths, strict=True)}
         for name, handle in self.stores.items():
-            self.metrics.set_store(name, handle.snapshot.info)
+            if handle.snapshot is None:
+                log.error("store %s is damaged; answering 503 for it, serving the others: %s", name, handle.damage)
+            else:
+                self.metrics.set_store(name, handle.snapshot.info)
         self.api = self._build_api(docs)
 
     # -- ASGI entry point: limits, authentication, metrics; propose; everything else to FastAPI --
@@ -124,7 +130,7 @@ class Service:
     def answer_propose(self, store: str, query: bytes, body_type: bytes, body: bytes) -> bytes:
         """The body of a 200 answer to a propose request whose body is `body_type` (BINARY_TYPE or
         JSON_TYPE, and so is the answer); raises ServiceError for anything else."""
-        snapshot = self._store(store).snapshot  # read once: an enrollment may swap it meanwhile
+        snapshot = self._store(store).current()  # read once: an enrollment may swap it meanwhile
         if body_type == BINARY_TYPE:
             try:
                 contexts = decode_contexts(body, self.limits.max_batch)
@@ -249,14 +255,21 @@ class Service:
             request, ServiceError(e.status_code, "http_error", str(e.detail))))
 
         @api.get("/healthz")
-        def health() -> dict:
-            """Liveness: the service answers and has these stores open (pid: which process answered)."""
-            return {"status": "ok", "stores": sorted(self.stores), "pid": os.getpid()}
+        def health() -> Response:
+            """Liveness: the service answers and has these stores open (pid: which process answered); "degraded"
+            names the damaged ones, and only when every store is damaged is the answer a 503."""
+            damaged = {name: h.damage for name, h in sorted(self.stores.items()) if h.snapshot is None}
+            body = {"status": "degraded" if damaged else "ok", "stores": sorted(self.stores), "pid": os.getpid()}
+            if damaged:
+                body["damaged"] = damaged
+            return JSONResponse(body, status_code=503 if len(damaged) == len(self.stores) else 200)
 
         @api.get("/v1/stores")
         def list_stores() -> dict:
-            """Every store: vocabulary, sizes, speakers with their utterance and token counts."""
-            return {"stores": [h.describe() for h in self.stores.values()]}
+            """Every store: vocabulary, sizes, speakers with their utterance and token counts (a damaged one:
+            its name and what is wrong)."""
+            return {"stores": [{"name": h.name, "damaged": h.damage} if h.snapshot is None else h.describe()
+                               for h in self.stores.values()]}
 
         @api.get("/v1/stores/{store}")
         def get_store(store: str) -> dict:
@@ -283,13 +296,13 @@ class Service:
     async def _enroll(self, store: str, speaker: str, request: EnrollRequest) -> dict:
         handle = self._store(store)
         check_name("speaker", speaker)
-        self._check_utterances(request.utterances, handle.snapshot)
+        self._check_utterances(request.utterances, handle.current())
         utterances = [u.model_dump() for u in request.utterances]
-        snapshot = await run_in_threadpool(handle.enroll, speaker, utterances, request.replace)
+        snapshot, done = await run_in_threadpool(handle.enroll, speaker, utterances, request.replace)
         self.metrics.enrollments[store] += 1
         self.metrics.set_store(store, snapshot.info)
-        return {"store": store, "speaker": speaker, "replace": request.replace,
-                "enrolled": len(utterances), **snapshot.info["speakers"][speaker]}
+        return {"store": store, "speaker": speaker, "replace": request.replace, "enrolled": done.added,
+                "unchanged": done.unchanged, **snapshot.info["speakers"][speaker]}
 
     def _check_utterances(self, utterances: list[Utterance], snapshot: Snapshot) -> None:
         if len(utterances) > self.limits.max_utterances:
@@ -404,9 +417,9 @@ def http_protocol():
 
 def serve(stores: Sequence[str], host: str = "127.0.0.1", port: int = 8750, api_key_file: str | None = None,
           limits: Limits = Limits(), retriever_options: dict | None = None, reload_interval: float | None = 1.0,
-          log_level: str = "warning", docs: bool = False) -> None:
+          log_level: str = "warning", docs: bool = False, strict: bool = False) -> None:
     """Open `stores` (`PATH` or `NAME=PATH`) and serve them until interrupted; `docs` also serves the API's
-    description (/docs, /redoc, /openapi.json)."""
+    description (/docs, /redoc, /openapi.json); `strict` refuses to start when a store is damaged."""
     import uvicorn
 
     named = dict(parse_store_arg(s) for s in stores)
@@ -418,7 +431,26 @@ def serve(stores: Sequence[str], host: str = "127.0.0.1", port: int = 8750, api_
         log.warning("listening on %s: proposals and store listings are readable by anyone who can reach it", host)
     if api_key is None:
         log.warning("no API key (%s or --api-key-file): enrollment is disabled", API_KEY_ENV)
-    service = Service(named, api_key, limits, retriever_options, reload_interval, docs)
+    service = Service(named, api_key, limits, retriever_options, reload_interval, docs, strict)
+    allow_open_files(limits.max_connections + OPEN_FILES_BESIDE_CONNECTIONS)
+    # uvicorn answers 503 at max_connections + 1: read_guard closes idle connections first, so only when
+    # every connection is busy.
     uvicorn.run(service, host=host, port=port, log_level=log_level, access_log=False, server_header=False,
-                timeout_keep_alive=75, limit_concurrency=1024, http=http_protocol(),
-                proxy_headers=False)  # no proxy in front: X-Forwarded-* would only cost time
+                timeout_keep_alive=limits.keep_alive, limit_concurrency=limits.max_connections + 1,
+                http=http_protocol(), proxy_headers=False)  # no proxy in front: X-Forwarded-* would only cost time
+
+
+OPEN_FILES_BESIDE_CONNECTIONS = 512  # the stores' memory maps, the log, the catalog polls
+
+
+def allow_open_files(needed: int) -> None:
+    """Raise this process's open-file limit to `needed` where the hard limit allows (many systems start
+    services at 1024, fewer than the connections the service holds plus its stores' files)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        log.warning("open-file limit %d is below the %d that --max-connections needs; raise it (ulimit -n)",
+                    target, needed)

@@ -14,7 +14,7 @@ import httptools
 import uvicorn
 
 from .requests import BINARY_TYPE, length_within, media_type, route
-from .read_guard import ReadGuard, limits_of
+from .read_guard import ReadGuard, guarded_connections, limits_of
 
 WRITTEN_FOR = ("0.54", "0.55")
 """The uvicorn minor versions whose httptools protocol internals (callbacks, cycle, flow control,
@@ -67,7 +67,11 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.limits = limits_of(self.app)
-        self.guard = ReadGuard(transport, self.loop, self.limits)
+        self.guard = ReadGuard(transport, self.loop, self.limits, guarded_connections(self.server_state),
+                               self._answering)
+
+    def _answering(self) -> bool:
+        return (self.cycle is not None and not self.cycle.response_complete) or bool(self.pipeline)
 
     def connection_lost(self, exc) -> None:
         if self.guard is not None:
@@ -100,7 +104,7 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
             return super().on_message_complete()
         (store, query, started, parts), self._inline = self._inline, None
         status, content_type, body = self.app.answer_binary_propose(store, query, b"".join(parts), started)
-        keep_alive = self.parser.should_keep_alive()
+        keep_alive = self.parser.should_keep_alive() and self.parser.get_http_version() != "1.0"  # as uvicorn's
         head = [STATUS_LINE[status], *(b"%s: %s\r\n" % header for header in self.server_state.default_headers),
                 b"content-type: %s\r\ncontent-length: %d\r\n" % (content_type, len(body)),
                 b"" if keep_alive else b"connection: close\r\n", b"\r\n", body]
@@ -122,6 +126,9 @@ class ServiceHttpProtocol(OneWriteHttpToolsProtocol):
             return None  # an earlier request on this connection is still being answered: keep the order
         if self.flow.write_paused:
             return None  # the client is not reading its answers: uvicorn's path waits, and stops reading
+        if self.limit_concurrency is not None and (len(self.connections) >= self.limit_concurrency
+                                                   or len(self.tasks) >= self.limit_concurrency):
+            return None  # every connection is busy: uvicorn's path answers 503, as for any other request
         url = httptools.parse_url(self.url)
         store = proposed_store(url.path)
         if store is None:

@@ -26,7 +26,8 @@ class Limits:
     """What one request may ask for, how long it may take to arrive and how large its head may be;
     anything past a limit is a 413 or a 422, never a slow answer, and a request not in whole within
     `read_timeout` seconds of its first byte (or of connecting), or with a head over `max_head_bytes`,
-    has its connection closed (read_guard.py)."""
+    has its connection closed. At most `max_connections` connections are held, the idle ones closed first
+    to make room, and a kept-alive connection idle for `keep_alive` seconds is closed (read_guard.py)."""
 
     max_body_bytes: int = 8 << 20
     max_batch: int = 256  # contexts per propose request
@@ -36,6 +37,8 @@ class Limits:
     max_utterances: int = 10_000  # per enrollment
     read_timeout: float = 30.0  # seconds
     max_head_bytes: int = 64 << 10  # request line and headers
+    max_connections: int = 1024
+    keep_alive: float = 75.0  # seconds; longer than a load balancer's usual 60 s idle timeout
 
 
 class ServiceError(Exception):

@@ -3,15 +3,13 @@ that picks up writes made by other processes."""
 
 from __future__ import annotations
 
-import json
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ...datastore import DatastoreError, enroll, open_datastore
+from ...datastore import DatastoreError, Enrollment, EnrollmentConflict, enroll, open_datastore
 from ...datastore.catalog import CATALOG
 from ...datastore.names import check_name
 from ..retriever import Retriever
@@ -54,42 +52,75 @@ def catalog_stamp(path: Path) -> tuple[int, int]:
 
 
 class StoreHandle:
-    """A served datastore: its current snapshot (swapped whole) and a lock serialising its writes."""
+    """A served datastore: its current snapshot (swapped whole) and a lock serialising its writes.
 
-    def __init__(self, name: str, path: Path, retriever_options: dict):
+    A datastore found damaged when opened (a missing or truncated file, a bad header, a damaged catalog) is
+    held without a snapshot: its requests are answered 503 `store_damaged` while the other stores answer,
+    until its catalog changes (a rebuild) and it opens. `strict` raises instead. A path that is no datastore
+    at all (no directory, no catalog) is a mistake in the command, not damage: it always raises."""
+
+    def __init__(self, name: str, path: Path, retriever_options: dict, strict: bool = False):
         self.name, self.path, self.retriever_options = name, path, retriever_options
-        self.snapshot = Snapshot.open(path, retriever_options)
         self.write_lock = threading.Lock()  # held by the worker thread, so a dropped client cannot free it
+        self.damage: str | None = None  # why the datastore could not be opened
+        self.damage_stamp: tuple[int, int] | None = None  # its catalog's stamp then
+        try:
+            self.snapshot: Snapshot | None = Snapshot.open(path, retriever_options)
+        except DatastoreError as e:
+            if strict or not (path / CATALOG).is_file():
+                raise
+            self.snapshot, self.damage, self.damage_stamp = None, str(e), _stamp_or_none(path)
 
-    def enroll(self, speaker: str, utterances: list[dict], replace: bool) -> Snapshot:
-        """Write, commit, reopen, swap: returns the new snapshot once it is the one being served."""
-        with self.write_lock, tempfile.TemporaryDirectory(prefix="echospec-enroll-") as tmp:
-            corpus = Path(tmp) / "utterances.jsonl"
-            with open(corpus, "w") as f:
-                for utt in utterances:
-                    f.write(json.dumps({"id": utt["id"], "speaker": speaker, "tokens": utt["tokens"]}) + "\n")
+    def current(self) -> Snapshot:
+        """The snapshot to answer from; a 503 for a datastore that could not be opened."""
+        snapshot = self.snapshot
+        if snapshot is None:
+            raise ServiceError(503, "store_damaged", f"store {self.name!r} is damaged: {self.damage}")
+        return snapshot
+
+    def enroll(self, speaker: str, utterances: list[dict], replace: bool) -> tuple[Snapshot, Enrollment]:
+        """Write, commit, reopen, swap: returns the new snapshot once it is the one being served, and what
+        the enrollment did (utterances the speaker already had are left as they are)."""
+        with self.write_lock:
             try:
-                enroll(self.path, speaker, corpus, replace=replace)
-            except DatastoreError as e:  # CorpusError included; the checks below make this rare
-                raise ServiceError(422, "enroll_rejected", str(e).replace(str(corpus), "request")) from None
-            self.snapshot = snapshot = Snapshot.open(self.path, self.retriever_options)
-            return snapshot
+                done = enroll(self.path, speaker, utterances, replace=replace)
+            except EnrollmentConflict as e:
+                raise ServiceError(409, "utterance_conflict", str(e)) from None
+            except DatastoreError as e:  # CorpusError included; the service's checks make this rare
+                raise ServiceError(422, "enroll_rejected", str(e)) from None
+            if done.added or replace:
+                self.snapshot = Snapshot.open(self.path, self.retriever_options)
+            return self.snapshot, done
 
     def reload_if_changed(self) -> bool:
-        """Swap in a fresh snapshot when another process (`echospec enroll`, a second service) changed
-        the catalog. Returns whether it did."""
+        """Swap in a fresh snapshot when another process (`echospec enroll`, a second service, a rebuild)
+        changed the catalog. Returns whether it did."""
         with self.write_lock:
-            if catalog_stamp(self.path) == self.snapshot.catalog_stamp:
+            seen = self.snapshot.catalog_stamp if self.snapshot is not None else self.damage_stamp
+            if _stamp_or_none(self.path) == seen:
                 return False
-            self.snapshot = Snapshot.open(self.path, self.retriever_options)
+            try:
+                self.snapshot = Snapshot.open(self.path, self.retriever_options)
+            except DatastoreError as e:
+                if self.snapshot is None:  # still damaged: tried again when the catalog changes next
+                    self.damage, self.damage_stamp = str(e), _stamp_or_none(self.path)
+                raise
+            self.damage = self.damage_stamp = None
             return True
 
     def describe(self) -> dict:
         """The store as GET /v1/stores/{store} shows it."""
-        info = self.snapshot.info
+        info = self.current().info
         keep = ("vocabulary", "n_min", "n_max", "utterances", "tokens", "speakers", "exact_bytes", "faiss_bytes",
                 "created_at", "updated_at")
         return {"name": self.name, **{k: info[k] for k in keep if k in info}}
+
+
+def _stamp_or_none(path: Path) -> tuple[int, int] | None:
+    try:
+        return catalog_stamp(path)
+    except OSError:
+        return None
 
 
 def parse_store_arg(arg: str) -> tuple[str, Path]:

@@ -28,10 +28,19 @@ from ..commands import fail_cleanly, needs_extra
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--docs", is_flag=True, help="Also serve the API's description: /docs, /redoc, /openapi.json.")
+@click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Connections held at once; past it the idle ones are closed first, and only when all are busy "
+                   "is a request answered 503.")
+@click.option("--keep-alive", default=75.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds an idle kept-alive connection stays open.")
+@click.option("--read-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds a request may take to arrive whole.")
+@click.option("--strict", is_flag=True, help="Refuse to start when a store is damaged (without it, the others are "
+              "served and requests for it answered 503).")
 @needs_extra("service")
 @fail_cleanly
 def serve(stores, host, port, api_key_file, max_body_mb, max_batch, max_nodes, max_depth, reload_interval,
-          log_level, docs) -> None:
+          log_level, docs, max_connections, keep_alive, read_timeout, strict) -> None:
     """Serve datastores over HTTP: propose, list stores and speakers, enroll, /healthz, /metrics.
 
     Each STORE is a datastore directory, served under its directory name, or NAME=DIR.
@@ -39,10 +48,11 @@ def serve(stores, host, port, api_key_file, max_body_mb, max_batch, max_nodes, m
     from ...retriever.service import Limits
     from ...retriever.service import serve as run
 
-    limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_batch=max_batch)
+    limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_batch=max_batch, max_connections=max_connections,
+                    keep_alive=keep_alive, read_timeout=read_timeout)
     run(stores, host=host, port=port, api_key_file=api_key_file, limits=limits,
         retriever_options={"max_nodes": max_nodes, "max_depth": max_depth}, reload_interval=reload_interval or None,
-        log_level=log_level, docs=docs)
+        log_level=log_level, docs=docs, strict=strict)
 
 
 COMMANDS = (serve,)

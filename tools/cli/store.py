@@ -78,11 +78,14 @@ def build(corpus, store, per_speaker, faiss, embeddings, faiss_dim, faiss_max_ve
 @click.option("--replace", is_flag=True, help="Replace the speaker's store instead of adding to it.")
 @fail_cleanly
 def enroll(store, speaker, corpus, replace):
-    """Add SPEAKER's utterances from CORPUS to STORE (the general store is left untouched)."""
-    ds = enroll_speaker(store, speaker, list(corpus), replace=replace)
-    row = ds.info()["speakers"][speaker]
-    click.echo(f"{'replaced' if replace else 'enrolled'} {speaker}: {row['utterances']} utterances, "
-               f"{row['tokens']} tokens")
+    """Add SPEAKER's utterances from CORPUS to STORE (the general store is left untouched). An utterance id
+    SPEAKER already has is skipped when its tokens are the same and refused when they differ (unless
+    --replace), so enrolling the same file twice changes nothing."""
+    done = enroll_speaker(store, speaker, list(corpus), replace=replace)
+    row = done.datastore.info()["speakers"][speaker]
+    unchanged = f"; {done.unchanged} already enrolled, unchanged" if done.unchanged else ""
+    click.echo(f"{'replaced' if replace else 'enrolled'} {speaker}: {done.added} utterances added{unchanged}; "
+               f"now {row['utterances']} utterances, {row['tokens']} tokens")
 
 
 @click.command()
