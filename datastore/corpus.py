@@ -24,12 +24,12 @@ from __future__ import annotations
 import glob
 import json
 import logging
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from .errors import CorpusError, one_line
 
@@ -54,6 +54,56 @@ class Vocabulary:
     size: int | None = None  # None: the largest local id seen + 1
     stop_ids: tuple[int, ...] = ()  # raw ids that end a segment and are never stored
     drop_ids: tuple[int, ...] = ()  # raw marker ids removed wherever they occur (they split nothing)
+    drop_non_speech: bool = False  # remove (and count) ids outside the speech range instead of refusing them
+
+
+_INT = {int}
+BATCH_TOKENS = 1 << 22
+"""Tokens a reader puts in one Batch (a Parquet row group is one batch whatever its size)."""
+
+
+@dataclass
+class Batch:
+    """Consecutive utterances of one corpus file as arrays, checked and mapped to local ids as a whole:
+    what a build reads. Only the ids, speakers and other fields a corpus gives are Python objects."""
+
+    source: str  # the file
+    kind: str  # how a message names an utterance's place: "line" (JSONL), "row" (Parquet), "utterance" (.npz)
+    numbers: np.ndarray  # int64, each utterance's line, row or utterance number in its file
+    tokens: np.ndarray  # int64 store-local ids, -1 at stop ids; the utterances concatenated
+    offsets: np.ndarray  # int64[n + 1]: utterance i is tokens[offsets[i]:offsets[i + 1]]
+    ids: list | None = None  # the ids the corpus gives (str; None where it gives none)
+    speakers: list | None = None  # str or None
+    extras: list | None = None  # dicts of the other fields, or None when the corpus has none
+    dropped_tokens: int = 0  # ids outside the speech range removed (Vocabulary.drop_non_speech)
+    dropped_utterances: int = 0  # ... from this many utterances
+    first_dropped: str | None = None  # where the first of them is
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    def where(self, i: int) -> str:
+        number = int(self.numbers[i])
+        return f"{self.source}:{number}" if self.kind == "line" else f"{self.source}:{self.kind} {number}"
+
+    def wheres(self) -> list[str]:
+        prefix = f"{self.source}:" if self.kind == "line" else f"{self.source}:{self.kind} "
+        return [prefix + str(n) for n in self.numbers.tolist()]
+
+    def utterance_ids(self) -> list[str]:
+        """Each utterance's id: the corpus's, else "<file stem>:<line, row or utterance number>"."""
+        stem = Path(self.source).stem
+        if self.ids is None:
+            return [f"{stem}:{n}" for n in self.numbers.tolist()]
+        return [f"{stem}:{n}" if uid is None else uid for uid, n in zip(self.ids, self.numbers.tolist())]
+
+    def utterances(self) -> Iterator[Utterance]:
+        ids, offsets = self.utterance_ids(), self.offsets
+        for i in range(len(self)):
+            yield Utterance(ids[i], None if self.speakers is None else self.speakers[i],
+                            self.tokens[offsets[i]:offsets[i + 1]], self.where(i),
+                            {} if self.extras is None else self.extras[i],
+                            id_given=self.ids is not None and self.ids[i] is not None)
 
 
 def read_corpus(paths: str | Path | Sequence[str | Path], vocab: Vocabulary) -> Iterator[Utterance]:
@@ -98,65 +148,124 @@ def corpus_units(files: Sequence[Path]) -> list[tuple[str, int]]:
 
 
 def read_unit(unit: tuple[str, int], vocab: Vocabulary) -> Iterator[Utterance]:
+    for batch in read_batches(unit, vocab):
+        yield from batch.utterances()
+
+
+def read_batches(unit: tuple[str, int], vocab: Vocabulary) -> Iterator[Batch]:
+    """The utterances of one corpus unit in batches, each checked and mapped as whole arrays."""
     path, part = Path(unit[0]), unit[1]
     if _is_parquet(path):
         return _read_parquet_group(path, part, vocab)
     return _read_npz(path, vocab) if path.suffix == ".npz" else _read_jsonl(path, vocab)
 
 
-def _read_jsonl(path: Path, vocab: Vocabulary) -> Iterator[Utterance]:
+# --- JSONL -------------------------------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path, vocab: Vocabulary) -> Iterator[Batch]:
+    """One JSON parse per line (unavoidable), the checks and mapping per batch."""
+    name = str(path)
+    lines = _JsonlLines(name)
     with open(path, "rb") as f:
-        name = str(path)
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{name}:{number}"
-            row, raw = _parse_line(line, where)
-            if raw is None:
-                if "tokens" in row:
-                    raw = row.pop("tokens")
-                elif "path" in row:
-                    raw = _load_npy(path.parent / str(row.pop("path")), where)
-                else:
-                    raise CorpusError(f"{where}: utterance has no 'tokens' (or 'path' to a .npy file)")
-            yield _utterance(row.pop("id", None), row.pop("speaker", None), raw, where, vocab, extra=row,
-                             default_id=f"{path.stem}:{number}")
-
-
-def _parse_line(line: bytes, where: str) -> tuple[dict, np.ndarray | None]:
-    """The line's object and, when they are plain integers, its tokens already as an array.
-
-    Parsing a long token list with `json` costs most of a build's reading time; NumPy's text
-    parser is ~5x faster. Anything unusual falls back to `json`, whose errors the
-    checks report.
-    """
-    start = line.find(b'"tokens"')
-    if start >= 0:
-        open_at = line.find(b"[", start)
-        close_at = line.find(b"]", open_at)
-        if open_at > 0 and close_at > 0 and line[start + 8:open_at].strip() == b":":
-            try:
-                body = line[open_at + 1:close_at]
-                with warnings.catch_warnings():
-                    warnings.simplefilter("error", DeprecationWarning)  # older numpy warns on stray text
-                    tokens = np.fromstring(body, dtype=np.int64, sep=",") if body.strip() else np.zeros(0, np.int64)
-                row = json.loads(line[:open_at] + b"[]" + line[close_at + 1:])
-            except (ValueError, DeprecationWarning, UnicodeDecodeError):
-                pass
+            row = _parse_line(line, where)
+            if "tokens" in row:
+                try:
+                    tokens = _as_array(row.pop("tokens"), where)
+                except CorpusError:  # orjson reads an integer beyond 64 bits as a float: json words it exactly
+                    _as_array(json.loads(line)["tokens"], where)
+                    raise
+            elif "path" in row:
+                tokens = _as_array(_load_npy(path.parent / str(row.pop("path")), where), where)
             else:
-                # fromstring clips huge ids, reads a lone "-" as 0 and forgives a trailing comma:
-                # leave those lines to json and the checks
-                exact = (b"-" not in body and len(tokens) == body.count(b",") + bool(body.strip())
-                         and not (tokens.size and tokens.max() >= np.iinfo(np.int64).max))
-                if exact and isinstance(row, dict) and row.pop("tokens", None) == []:
-                    return row, tokens
+                raise CorpusError(f"{where}: utterance has no 'tokens' (or 'path' to a .npy file)")
+            lines.add(number, row, tokens, where)
+            if lines.held >= BATCH_TOKENS:
+                yield lines.batch(vocab)
+    if lines.numbers:
+        yield lines.batch(vocab)
+
+
+class _JsonlLines:
+    """The lines of a JSONL batch being read."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self._reset()
+
+    def _reset(self):
+        self.numbers: list[int] = []
+        self.parts: list[np.ndarray] = []
+        self.ids: list = []
+        self.speakers: list = []
+        self.extras: list[dict] = []
+        self.held = 0
+
+    def add(self, number: int, row: dict, tokens: np.ndarray, where: str) -> None:
+        uid, speaker = row.pop("id", None), row.pop("speaker", None)
+        if speaker is not None and not isinstance(speaker, (str, int)):
+            raise CorpusError(f"{where}: 'speaker' must be a string")
+        if uid is not None and not isinstance(uid, (str, int)):
+            raise CorpusError(f"{where}: 'id' must be a string")
+        self.numbers.append(number)
+        self.parts.append(tokens)
+        self.ids.append(None if uid is None else str(uid))
+        self.speakers.append(None if speaker in (None, "") else str(speaker))
+        self.extras.append(row)
+        self.held += len(tokens)
+
+    def batch(self, vocab: Vocabulary) -> Batch:
+        lengths = np.fromiter(map(len, self.parts), np.int64, len(self.parts))
+        raw = np.concatenate(self.parts) if self.parts else np.zeros(0, np.int64)
+        batch = _batch(self.source, "line", np.asarray(self.numbers, np.int64), raw, lengths, vocab,
+                       ids=self.ids, speakers=self.speakers,
+                       extras=self.extras if any(self.extras) else None)
+        self._reset()
+        return batch
+
+
+def _parse_line(line: bytes, where: str) -> dict:
+    """The line's JSON object. orjson parses a speech-token line 2-4x faster than `json` (bench_ingest);
+    what it refuses goes to `json`, which reads integers beyond 64 bits (the checks then name them) and
+    words the errors."""
     try:
-        row = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorpusError(f"{where}: not valid JSON ({e})") from None
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorpusError(f"{where}: not valid JSON ({e})") from None
     if not isinstance(row, dict):
         raise CorpusError(f"{where}: expected a JSON object with 'tokens', got {type(row).__name__}")
-    return row, None
+    return row
+
+
+def _as_array(raw, where: str) -> np.ndarray:
+    """One utterance's tokens as a 1-D int64 array: a JSON list has every item checked, an array from a
+    .npy file its shape and dtype."""
+    if not isinstance(raw, np.ndarray):
+        if not isinstance(raw, list):
+            raise CorpusError(f"{where}: 'tokens' must be a list of integers")
+        if not set(map(type, raw)) <= _INT:  # bool is no token id, though NumPy would take it for one
+            bad = next(t for t in raw if type(t) is not int)
+            if isinstance(bad, list):
+                raise CorpusError(f"{where}: tokens must be a 1-D list of integers, found a nested list")
+            raise CorpusError(f"{where}: token {bad!r} is not an integer")
+        try:
+            raw = np.array(raw, dtype=np.int64)
+        except OverflowError:
+            raise CorpusError(f"{where}: token id too large for a 64-bit integer") from None
+    if raw.ndim != 1:
+        raise CorpusError(f"{where}: tokens must be a 1-D sequence, got shape {raw.shape}")
+    if raw.dtype.kind not in "iu" and raw.size:
+        raise CorpusError(f"{where}: tokens must be integers, got {raw.dtype} values")
+    if raw.dtype == np.uint64 and raw.size and raw.max() > np.iinfo(np.int64).max:
+        raise CorpusError(f"{where}: token id too large for a 64-bit integer")
+    return raw.astype(np.int64, copy=False)
 
 
 def _load_npy(path: Path, where: str) -> np.ndarray:
@@ -170,7 +279,10 @@ def _load_npy(path: Path, where: str) -> np.ndarray:
     return arr
 
 
-def _read_npz(path: Path, vocab: Vocabulary) -> Iterator[Utterance]:
+# --- .npz --------------------------------------------------------------------------------------------------
+
+
+def _read_npz(path: Path, vocab: Vocabulary) -> Iterator[Batch]:
     try:  # a fake or damaged archive fails in zipfile, zlib or numpy, each with its own exception types
         data = np.load(path, allow_pickle=False)
         if not hasattr(data, "files"):
@@ -193,11 +305,20 @@ def _read_npz(path: Path, vocab: Vocabulary) -> Iterator[Utterance]:
     for name, arr in (("ids", ids), ("speakers", speakers)):
         if arr is not None and len(arr) != len(lengths):
             raise CorpusError(f"{path}: '{name}' has {len(arr)} entries, 'lengths' has {len(lengths)}")
-    starts = np.concatenate([[0], np.cumsum(lengths)])
-    for i in range(len(lengths)):
-        speaker = None if speakers is None else str(speakers[i]) or None
-        yield _utterance(None if ids is None else str(ids[i]), speaker, tokens[starts[i]:starts[i + 1]],
-                         f"{path}:utterance {i}", vocab, default_id=f"{path.stem}:{i}")
+    if tokens.ndim != 1:
+        raise CorpusError(f"{path}: 'tokens' must be a 1-D array, got shape {tokens.shape}")
+    ends = np.cumsum(lengths, dtype=np.int64)
+    cuts = np.searchsorted(ends, np.arange(BATCH_TOKENS, len(tokens), BATCH_TOKENS), side="left") + 1
+    bounds = np.unique(np.concatenate([[0], cuts, [len(lengths)]]))
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        start = int(ends[a - 1]) if a else 0
+        yield _batch(str(path), "utterance", np.arange(a, b, dtype=np.int64), tokens[start:ends[b - 1] if b else 0],
+                     lengths[a:b].astype(np.int64), vocab,
+                     ids=None if ids is None else ids[a:b].astype(str).tolist(),
+                     speakers=None if speakers is None else [s or None for s in speakers[a:b].astype(str).tolist()])
+
+
+# --- Parquet -----------------------------------------------------------------------------------------------
 
 
 def _is_parquet(path: Path) -> bool:
@@ -208,14 +329,14 @@ def _parquet_file(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise CorpusError(f"{path}: reading Parquet needs pyarrow (pip install 'echospec[ray]')") from None
+        raise CorpusError(f"{path}: reading Parquet needs pyarrow (pip install 'echospec[parquet]')") from None
     try:
         return pq.ParquetFile(path)
     except (OSError, ValueError) as e:  # pyarrow's errors subclass these
         raise CorpusError(f"{path}: cannot read Parquet: {one_line(e)}") from None
 
 
-def _read_parquet_group(path: Path, group: int, vocab: Vocabulary) -> Iterator[Utterance]:
+def _read_parquet_group(path: Path, group: int, vocab: Vocabulary) -> Iterator[Batch]:
     import pyarrow as pa
 
     parquet = _parquet_file(path)
@@ -230,52 +351,101 @@ def _read_parquet_group(path: Path, group: int, vocab: Vocabulary) -> Iterator[U
     if column.null_count:
         row = first_row + column.is_null().to_numpy(zero_copy_only=False).argmax()
         raise CorpusError(f"{path}:row {row}: 'tokens' is null")
-    offsets = column.offsets.to_numpy()
+    offsets = column.offsets.to_numpy().astype(np.int64)
     values = column.values.to_numpy(zero_copy_only=False)  # offsets index the unsliced values
-    ids = table.column("id").to_pylist() if "id" in table.column_names else None
-    speakers = table.column("speaker").to_pylist() if "speaker" in table.column_names else None
+    ids = _parquet_names(table, "id", path, first_row)
+    speakers = _parquet_names(table, "speaker", path, first_row)
+    if speakers is not None:
+        speakers = [s or None for s in speakers]
     others = [name for name in table.column_names if name not in ("tokens", "id", "speaker")]
-    extras = {name: table.column(name).to_pylist() for name in others}
-    for i in range(len(offsets) - 1):
-        row = first_row + i
-        yield _utterance(None if ids is None else ids[i], None if speakers is None else speakers[i],
-                         values[offsets[i]:offsets[i + 1]], f"{path}:row {row}", vocab,
-                         extra={name: extras[name][i] for name in others}, default_id=f"{path.stem}:{row}")
+    extras = None
+    if others:  # other fields go to the catalog row by row
+        columns = [table.column(name).to_pylist() for name in others]
+        extras = [dict(zip(others, values_)) for values_ in zip(*columns)]
+    yield _batch(str(path), "row", np.arange(first_row, first_row + len(offsets) - 1, dtype=np.int64),
+                 values[offsets[0]:offsets[-1]], np.diff(offsets), vocab, ids=ids, speakers=speakers, extras=extras)
 
 
-def _utterance(uid, speaker, raw, where: str, vocab: Vocabulary, extra: dict | None = None,
-               default_id: str = "") -> Utterance:
-    if speaker is not None and not isinstance(speaker, (str, int)):
-        raise CorpusError(f"{where}: 'speaker' must be a string")
-    if uid is not None and not isinstance(uid, (str, int)):
-        raise CorpusError(f"{where}: 'id' must be a string")
-    tokens = to_local_ids(raw, where, vocab)
-    speaker = None if speaker in (None, "") else str(speaker)
-    return Utterance(str(uid) if uid is not None else default_id, speaker, tokens, where, extra or {},
-                     id_given=uid is not None)
+def _parquet_names(table, name: str, path: Path, first_row: int) -> list | None:
+    """An id or speaker column as strings (None where null); strings or integers only."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if name not in table.column_names:
+        return None
+    column = table.column(name)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+            or pa.types.is_integer(column.type) or pa.types.is_null(column.type)):
+        row = first_row + int(np.argmax(column.is_valid().to_numpy(zero_copy_only=False)))
+        raise CorpusError(f"{path}:row {row}: '{name}' must be a string")
+    if pa.types.is_integer(column.type):
+        column = pc.cast(column, pa.string())
+    return column.to_pylist()
+
+
+# --- checking and mapping ids ------------------------------------------------------------------------------
+
+
+def _batch(source: str, kind: str, numbers: np.ndarray, raw: np.ndarray, lengths: np.ndarray, vocab: Vocabulary,
+           **columns) -> Batch:
+    """A Batch of utterances whose raw ids are `raw` (concatenated, `lengths` each), checked and mapped."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    batch = Batch(source, kind, numbers, raw, offsets, **columns)
+    if raw.dtype.kind not in "iu" and raw.size:
+        first = int(np.argmax(lengths > 0))
+        raise CorpusError(f"{batch.where(first)}: tokens must be integers, got {raw.dtype} values")
+    if raw.dtype == np.uint64 and raw.size and raw.max() > np.iinfo(np.int64).max:
+        first = _utterance_of(offsets, int(np.argmax(raw > np.iinfo(np.int64).max)))
+        raise CorpusError(f"{batch.where(first)}: token id too large for a 64-bit integer")
+    batch.tokens, batch.offsets = _local_ids(batch, raw.astype(np.int64, copy=False), offsets, vocab)
+    return batch
+
+
+def _local_ids(batch: Batch, arr: np.ndarray, offsets: np.ndarray, vocab: Vocabulary):
+    """to_local_ids over a whole batch: marker ids removed, every id checked at once (an error names the first
+    utterance holding a bad id, in the words to_local_ids uses for it), stop ids -1."""
+    remove = np.isin(arr, np.asarray(vocab.drop_ids, np.int64)) if vocab.drop_ids else None
+    stop = np.isin(arr, np.asarray(vocab.stop_ids, np.int64)) if vocab.stop_ids else None
+    offset = vocab.speech_offset
+    outside = arr < offset
+    if vocab.size is not None:
+        outside |= arr >= offset + vocab.size
+    if stop is not None:
+        outside &= ~stop
+    if remove is not None:
+        outside &= ~remove
+    if outside.any():
+        negative = arr < 0
+        if remove is not None:
+            negative &= ~remove
+        bad = negative if vocab.drop_non_speech else outside
+        if bad.any():
+            u = _utterance_of(offsets, int(np.argmax(bad)))
+            to_local_ids(arr[offsets[u]:offsets[u + 1]], batch.where(u), vocab)  # raises its message
+            raise AssertionError("to_local_ids accepted an id the batch check refused")
+        per_utterance = np.diff(np.concatenate([[0], np.cumsum(outside)])[offsets])
+        batch.dropped_tokens = int(per_utterance.sum())
+        batch.dropped_utterances = int(np.count_nonzero(per_utterance))
+        batch.first_dropped = batch.where(int(np.argmax(per_utterance > 0)))
+        remove = outside if remove is None else remove | outside
+    if remove is not None and remove.any():
+        kept = np.zeros(len(arr) + 1, np.int64)
+        np.cumsum(~remove, out=kept[1:])
+        offsets = kept[offsets]
+        arr = arr[~remove]
+        stop = None if stop is None else stop[~remove]
+    local = arr - offset if offset else arr
+    return (local if stop is None else np.where(stop, -1, local)), offsets
+
+
+def _utterance_of(offsets: np.ndarray, index: int) -> int:
+    return int(np.searchsorted(offsets, index, side="right")) - 1
 
 
 def to_local_ids(raw, where: str, vocab: Vocabulary) -> np.ndarray:
-    """Check raw ids and map them to local ids; stop ids become -1 (a segment boundary)."""
-    if isinstance(raw, np.ndarray):
-        arr = raw
-    else:  # a JSON list the fast path did not take: check every item (bool is not a token id)
-        if not isinstance(raw, list):
-            raise CorpusError(f"{where}: 'tokens' must be a list of integers")
-        bad = next((t for t in raw if type(t) is not int), None)
-        if bad is not None:
-            if isinstance(bad, list):
-                raise CorpusError(f"{where}: tokens must be a 1-D list of integers, found a nested list")
-            raise CorpusError(f"{where}: token {bad!r} is not an integer")
-        try:
-            arr = np.array(raw, dtype=np.int64)
-        except OverflowError:
-            raise CorpusError(f"{where}: token id too large for a 64-bit integer") from None
-    if arr.ndim != 1:
-        raise CorpusError(f"{where}: tokens must be a 1-D sequence, got shape {arr.shape}")
-    if arr.dtype.kind not in "iu" and arr.size:
-        raise CorpusError(f"{where}: tokens must be integers, got {arr.dtype} values")
-    arr = arr.astype(np.int64, copy=False)
+    """Check one utterance's raw ids and map them to local ids; stop ids become -1 (a segment boundary)."""
+    arr = _as_array(raw, where).astype(np.int64, copy=False)
     if not arr.size:
         return arr
     if vocab.drop_ids:
@@ -294,10 +464,12 @@ def to_local_ids(raw, where: str, vocab: Vocabulary) -> np.ndarray:
     offset = vocab.speech_offset
     if lowest < offset:
         raise CorpusError(f"{where}: token id {lowest} is below the speech range "
-                          f"(speech_offset {offset}) and is not a stop id (a marker id? drop it: --drop-id)")
+                          f"(speech_offset {offset}) and is not a stop id (a marker id? drop it: --drop-id, "
+                          "or keep only the speech range: --drop-non-speech)")
     if vocab.size is not None and highest >= offset + vocab.size:
         raise CorpusError(f"{where}: token id {highest} is outside the speech range "
-                          f"{offset}..{offset + vocab.size - 1} and is not a stop id (a marker id? drop it: --drop-id)")
+                          f"{offset}..{offset + vocab.size - 1} and is not a stop id (a marker id? drop it: "
+                          "--drop-id, or keep only the speech range: --drop-non-speech)")
     local = arr - offset if offset else arr
     return local if stop is None else np.where(stop, -1, local)
 

@@ -39,20 +39,13 @@ from pathlib import Path
 import numpy as np
 
 from .catalog import sha256
-from .corpus import UniqueIds, Utterance, Vocabulary, has_speech, read_unit, split_layout_breaks, split_segments
-from .errors import CorpusError, DatastoreError, one_line
+from .corpus import UniqueIds, Vocabulary, read_batches, split_layout_breaks
+from .errors import DatastoreError, one_line
 from .exact import FILES, write_exact_store
 from .files import atomic_dir
-from .names import check_name
+from .partition import CHUNK_TOKENS, PartitionWriter, stable_hash, unpack_strings  # noqa: F401 (the build's names)
 
-CHUNK_TOKENS = 1 << 24
-"""Tokens a partition task holds before writing its files: bounds its memory whatever the unit's size."""
 MANIFEST = "manifest.json"
-
-
-def stable_hash(text: str) -> int:
-    """The same on every machine and Python run (unlike hash(), which is salted per process)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def speaker_dir(name: str) -> str:
@@ -70,28 +63,13 @@ def partition_unit(work: str, index: int, unit: tuple[str, int], vocab: dict, sh
     """Split one corpus unit into per-shard and per-speaker-group files; returns the unit's counts."""
     final = Path(work) / "parts" / f"unit-{index:06d}"
     with atomic_dir(final, replace=False) as tmp:
-        writer = _PartitionWriter(tmp, shards, groups if per_speaker else 0)
-        speakers: set[str] = set()
-        for utt in read_unit(unit, Vocabulary(**{k: tuple(v) if isinstance(v, list) else v
-                                                 for k, v in vocab.items()})):
-            if per_speaker and utt.speaker not in speakers:
-                _check_speaker(utt)
-                speakers.add(utt.speaker)
-            writer.add(utt)
+        writer = PartitionWriter(tmp, shards, groups if per_speaker else 0)
+        for batch in read_batches(unit, Vocabulary(**{k: tuple(v) if isinstance(v, list) else v
+                                                      for k, v in vocab.items()})):
+            writer.add(batch)
         stats = {"unit": index, **writer.close()}
         _write_json(tmp / "done.json", stats)
     return _read_json(final / "done.json")
-
-
-def _check_speaker(utt: Utterance) -> None:
-    if utt.speaker is None:
-        raise CorpusError(f"{utt.where}: utterance {utt.id!r} has no 'speaker', "
-                          "but per-speaker stores were asked for (use --no-per-speaker or add speakers)")
-    try:
-        check_name("speaker", utt.speaker)
-    except DatastoreError as e:
-        raise CorpusError(f"{utt.where}: {e}; rename the speaker in the corpus, or build with "
-                          f"per_speaker=False (--no-per-speaker)") from None
 
 
 def finished_unit(work: Path, index: int) -> dict | None:
@@ -108,115 +86,6 @@ def finished_unit(work: Path, index: int) -> dict | None:
 
 def _intact(path: Path, size: int, digest: str) -> bool:
     return _size(path) == size and sha256(path) == digest
-
-
-class _PartitionWriter:
-    def __init__(self, directory: Path, shards: int, groups: int):
-        self.directory, self.shards, self.groups = directory, shards, groups
-        self.files: dict[str, int] = {}
-        self.digests: dict[str, str] = {}
-        self.chunk = 0
-        self.shard_tokens = [0] * shards
-        self.shard_segments = [0] * shards
-        self.shard_utterances = [0] * shards
-        self.group_tokens = [0] * groups
-        self.utterances = self.tokens = self.skipped = 0
-        self.first_skipped: str | None = None
-        self.max_id = -1
-        self._reset()
-
-    def _reset(self):
-        self.held = 0
-        self.shard_parts: list[list[np.ndarray]] = [[] for _ in range(self.shards)]
-        self.shard_ids: list[dict[str, list[str]]] = [{"ids": [], "wheres": []} for _ in range(self.shards)]
-        self.group_segments: list[list[np.ndarray]] = [[] for _ in range(self.groups)]
-        self.group_owner: list[list[str]] = [[] for _ in range(self.groups)]  # speaker of each segment
-        self.meta: dict[str, list] = {"ids": [], "speakers": [], "tokens": [], "sources": [], "extras": []}
-
-    def add(self, utt: Utterance) -> None:
-        shard = stable_hash(utt.id) % self.shards
-        if utt.id_given:
-            self.shard_ids[shard]["ids"].append(utt.id)
-            self.shard_ids[shard]["wheres"].append(utt.where)
-        if not has_speech(utt):
-            self.skipped += 1
-            self.first_skipped = self.first_skipped or utt.where
-            return
-        segments = [s.astype(np.uint32) for s in split_segments(utt.tokens)]
-        n = sum(len(s) for s in segments)
-        self.shard_parts[shard].extend(segments)
-        self.shard_tokens[shard] += n
-        self.shard_segments[shard] += len(segments)
-        self.shard_utterances[shard] += 1
-        if self.groups:
-            group = stable_hash(utt.speaker) % self.groups
-            self.group_segments[group].extend(segments)
-            self.group_owner[group].extend([utt.speaker] * len(segments))
-            self.group_tokens[group] += n
-        for key, value in (("ids", utt.id), ("speakers", utt.speaker or ""), ("tokens", n),
-                           ("sources", utt.where),
-                           ("extras", json.dumps(utt.extra, default=str) if utt.extra else "")):
-            self.meta[key].append(value)
-        self.utterances += 1
-        self.tokens += n
-        if n:
-            self.max_id = max(self.max_id, max(int(s.max()) for s in segments))
-        self.held += n
-        if self.held >= CHUNK_TOKENS:
-            self._flush()
-
-    def _flush(self) -> None:
-        prefix = f"chunk-{self.chunk:04d}"
-        for shard, (segments, ids) in enumerate(zip(self.shard_parts, self.shard_ids)):
-            if segments or ids["ids"]:
-                self._save(f"{prefix}.shard-{shard:05d}.npz", **_pack_segments(segments),
-                           **_pack_strings("ids", ids["ids"]), **_pack_strings("wheres", ids["wheres"]))
-        for group, segments in enumerate(self.group_segments):
-            if segments:
-                names, owner = np.unique(np.array(self.group_owner[group]), return_inverse=True)
-                self._save(f"{prefix}.group-{group:05d}.npz", **_pack_segments(segments),
-                           owner=owner.astype(np.int32), **_pack_strings("names", names.tolist()))
-        if self.meta["ids"]:
-            self._save(f"{prefix}.meta.npz", tokens=np.asarray(self.meta["tokens"], np.int64),
-                       **{k: v for key in ("ids", "speakers", "sources", "extras")
-                          for k, v in _pack_strings(key, self.meta[key]).items()})
-        self.chunk += 1
-        self._reset()
-
-    def _save(self, name: str, **arrays) -> None:
-        path = self.directory / name
-        with open(path, "wb") as f:
-            np.savez(f, **arrays)
-        self.files[name] = path.stat().st_size
-        self.digests[name] = sha256(path)
-
-    def close(self) -> dict:
-        self._flush()
-        return {"utterances": self.utterances, "tokens": self.tokens, "max_id": self.max_id,
-                "skipped": self.skipped, "first_skipped": self.first_skipped,
-                "shard_tokens": self.shard_tokens, "shard_segments": self.shard_segments,
-                "shard_utterances": self.shard_utterances,
-                "group_tokens": self.group_tokens, "files": self.files, "sha256": self.digests}
-
-
-def _pack_segments(segments: list[np.ndarray]) -> dict:
-    tokens = np.concatenate(segments) if segments else np.zeros(0, np.uint16)
-    dtype = np.uint16 if tokens.max(initial=0) < np.iinfo(np.uint16).max else np.uint32
-    return {"tokens": tokens.astype(dtype), "lengths": np.array([len(s) for s in segments], np.int64)}
-
-
-def _pack_strings(key: str, strings: list[str]) -> dict:
-    """Strings as one UTF-8 blob and offsets: a fixed-width NumPy string array would pad every entry to
-    the longest (one long transcript in `extras` would cost every utterance its length)."""
-    blobs = [s.encode() for s in strings]
-    offsets = np.zeros(len(blobs) + 1, np.int64)
-    np.cumsum([len(b) for b in blobs], out=offsets[1:])
-    return {f"{key}_blob": np.frombuffer(b"".join(blobs), np.uint8), f"{key}_offsets": offsets}
-
-
-def unpack_strings(data, key: str) -> list[str]:
-    blob, offsets = data[f"{key}_blob"].tobytes(), data[f"{key}_offsets"]
-    return [blob[offsets[i]:offsets[i + 1]].decode() for i in range(len(offsets) - 1)]
 
 
 def _load_segments(path: Path) -> tuple[list[np.ndarray], dict]:
