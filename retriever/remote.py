@@ -134,20 +134,29 @@ class RemoteRetriever:
         ServiceRequestError (a ValueError) when it refuses the request."""
         return self.propose_batch([context], speaker, max_nodes, max_depth, timeout)[0]
 
-    def propose_batch(self, contexts: Sequence, speaker: str | None = None, max_nodes: int | None = None,
-                      max_depth: int | None = None, timeout: float | None = None) -> list[CandidateTree]:
-        """One tree per context, in one request."""
-        if self.payload == "binary":
+    def propose_batch(self, contexts: Sequence, speaker: str | Sequence[str | None] | None = None,
+                      max_nodes: int | None = None, max_depth: int | None = None,
+                      timeout: float | None = None) -> list[CandidateTree]:
+        """One tree per context, in one request. `speaker`: one speaker for every context, or one per
+        context (None: the general store alone), as an engine's batch mixes requests of many speakers."""
+        if speaker is not None and not isinstance(speaker, str):  # per context: binary, whatever the payload
+            speakers = [s or "" for s in speaker]
+            if len(speakers) != len(contexts):
+                raise ValueError(f"{len(speakers)} speakers for {len(contexts)} contexts")
+            path = f"{self._prefix}/propose?" + urlencode({"speakers": ",".join(speakers),
+                                                           **_options(None, max_nodes, max_depth)})
+        elif self.payload == "binary":
             path = self._paths.get((speaker, max_nodes, max_depth)) or self._binary_path(speaker, max_nodes, max_depth)
-            _, data = self._call("POST", path, encode_contexts(contexts), BINARY, timeout)
-            try:
-                return decode_trees(data)
-            except WireError as e:
-                raise RetrieverUnavailable(f"{self.url}: malformed propose answer ({e})") from None
-        options = _options(speaker, max_nodes, max_depth)
-        body = json.dumps({"contexts": [np.asarray(c).tolist() for c in contexts], **options}).encode()
-        _, data = self._call("POST", f"{self._prefix}/propose", body, JSON, timeout)
-        return [CandidateTree.from_dict(t) for t in json.loads(data)["trees"]]
+        else:
+            body = json.dumps({"contexts": [np.asarray(c).tolist() for c in contexts],
+                               **_options(speaker, max_nodes, max_depth)}).encode()
+            _, data = self._call("POST", f"{self._prefix}/propose", body, JSON, timeout)
+            return [CandidateTree.from_dict(t) for t in json.loads(data)["trees"]]
+        _, data = self._call("POST", path, encode_contexts(contexts), BINARY, timeout)
+        try:
+            return decode_trees(data)
+        except WireError as e:
+            raise RetrieverUnavailable(f"{self.url}: malformed propose answer ({e})") from None
 
     def _binary_path(self, speaker, max_nodes, max_depth) -> str:
         """The binary propose's path, options in the query string; kept per option set (a worker sends

@@ -141,8 +141,8 @@ class Service:
         else:
             contexts, options, single = self._json_propose(body)
             options = merge_options(options, self._query_options(query))
-        speaker, max_nodes, max_depth = self._check_options(snapshot, **options)
-        trees = self._propose_all(snapshot, contexts, speaker, max_nodes, max_depth)
+        speakers, max_nodes, max_depth = self._check_options(snapshot, len(contexts), **options)
+        trees = self._propose_all(snapshot, contexts, speakers, max_nodes, max_depth)
         self.metrics.contexts[store] += len(trees)
         self.metrics.nodes[store] += sum(len(t) for t in trees)
         if body_type == BINARY_TYPE:
@@ -173,7 +173,8 @@ class Service:
         if len(raw) > self.limits.max_batch:
             raise ServiceError(422, "batch_too_large", f"{len(raw)} contexts, the limit is {self.limits.max_batch}")
         contexts = [int64_ids(c, f"context {i}") for i, c in enumerate(raw)]
-        options = dict(speaker=request.speaker, max_nodes=request.max_nodes, max_depth=request.max_depth)
+        options = dict(speaker=request.speaker, speakers=request.speakers, max_nodes=request.max_nodes,
+                       max_depth=request.max_depth)
         return contexts, options, single
 
     def _query_options(self, query: bytes) -> dict:
@@ -186,20 +187,27 @@ class Service:
                 self._parsed_queries[query] = options
         return options
 
-    def _check_options(self, snapshot: Snapshot, speaker=None, max_nodes=None, max_depth=None):
-        if speaker is not None:
-            check_name("speaker", speaker)
-            if speaker not in snapshot.speakers:
-                raise ServiceError(404, "unknown_speaker", f"no speaker {speaker!r} in this store")
+    def _check_options(self, snapshot: Snapshot, n_contexts: int, speaker=None, speakers=None, max_nodes=None,
+                       max_depth=None):
+        """(a speaker per context, max_nodes, max_depth) of valid options; ServiceError otherwise."""
+        if speaker is not None and speakers is not None:
+            raise ServiceError(422, "invalid_request", "give 'speaker' or 'speakers', not both")
+        if speakers is not None and len(speakers) != n_contexts:
+            raise ServiceError(422, "invalid_request", f"{len(speakers)} speakers for {n_contexts} contexts")
+        speakers = [speaker] * n_contexts if speakers is None else speakers
+        for name in set(speakers) - {None}:
+            check_name("speaker", name)
+            if name not in snapshot.speakers:
+                raise ServiceError(404, "unknown_speaker", f"no speaker {name!r} in this store")
         for key, value, limit in (("max_nodes", max_nodes, self.limits.max_nodes),
                                   ("max_depth", max_depth, self.limits.max_depth)):
             if value is not None and not 0 <= value <= limit:
                 raise ServiceError(422, "out_of_range", f"{key} must be in 0..{limit}, got {value}")
-        return speaker, max_nodes, max_depth
+        return speakers, max_nodes, max_depth
 
-    def _propose_all(self, snapshot: Snapshot, contexts: Sequence[np.ndarray], speaker, max_nodes, max_depth):
+    def _propose_all(self, snapshot: Snapshot, contexts: Sequence[np.ndarray], speakers, max_nodes, max_depth):
         trees = []
-        for i, context in enumerate(contexts):
+        for i, (context, speaker) in enumerate(zip(contexts, speakers)):
             if len(context) > self.limits.max_context:
                 raise ServiceError(422, "context_too_long", f"context {i} has {len(context)} tokens, "
                                                             f"the limit is {self.limits.max_context}")

@@ -137,6 +137,7 @@ class ProposeRequest(_Strict):
     context: list[int] | None = None
     contexts: list[list[int]] | None = None
     speaker: str | None = None
+    speakers: list[str | None] | None = None  # one per context (None: the general store), for mixed batches
     max_nodes: int | None = None
     max_depth: int | None = None
 
@@ -172,12 +173,15 @@ def int64_ids(ids: Sequence[int], where: str) -> np.ndarray:
 
 
 def parse_query(query: bytes) -> dict[str, Any]:
-    """A propose's options from its query string: speaker, max_nodes, max_depth."""
+    """A propose's options from its query string: speaker, or speakers (one per context, comma-separated,
+    empty for the general store), max_nodes, max_depth."""
     options: dict[str, Any] = {}
     text = query.decode("latin-1")
     for key, value in parse_qsl(text, keep_blank_values=True) if text else ():
         if key == "speaker":
             options[key] = value
+        elif key == "speakers":
+            options[key] = [name or None for name in value.split(",")]
         elif key in ("max_nodes", "max_depth"):
             if not (value.isascii() and value.isdigit()) or len(value) > 9:
                 raise ServiceError(422, "invalid_request", f"{key} must be an integer >= 0, got {value!r}")

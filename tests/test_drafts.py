@@ -1,0 +1,162 @@
+"""Chains for engines that verify chains (echospec.retriever.drafts): the best branch of a real store's
+tree, the speaker chosen from the prompt, per-row speakers over a real service on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import numpy as np
+import pytest
+from service_testing import Server, make_store
+
+from echospec.retriever import RemoteRetriever, Retriever, RetrieverUnavailable
+from echospec.retriever.drafts import ChainDrafter, PromptMemory, SpeakerChoice, best_chain, contains
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return make_store(tmp_path_factory.mktemp("drafts"), n_tokens=30_000, n_speakers=3)
+
+
+@pytest.fixture(scope="module")
+def retriever(built):
+    return Retriever(built[0])
+
+
+def by_speaker(corpus) -> dict[str, list[list[int]]]:
+    out: dict[str, list[list[int]]] = {}
+    for u in corpus:
+        out.setdefault(u["speaker"], []).append(u["tokens"])
+    return out
+
+
+def test_best_chain_maximises_the_expected_gain_and_stops_where_nothing_pays():
+    #   0 (.6) -> 2 (.4) -> 4 (.35)       the deeper branch beats its sibling 1 (.3)
+    #          -> 3 (.15)
+    #   1 (.3)
+    parents = np.array([-1, -1, 0, 0, 2], np.int32)
+    probs = np.array([.6, .3, .4, .15, .35], np.float32)
+    assert best_chain(parents, probs, 0.15).tolist() == [0, 2, 4]
+    assert best_chain(parents, probs, 0.38).tolist() == [0, 2]  # .35 no longer pays for its verification
+    assert best_chain(parents, probs, 0.7).tolist() == []
+    # a branch whose first node pays little but whose sum pays more is taken: 1 (.5) -> 2 (.5) -> 3 (.5)
+    parents = np.array([-1, -1, 1, 2], np.int32)
+    probs = np.array([.52, .5, .5, .5], np.float32)
+    assert best_chain(parents, probs, 0.1).tolist() == [1, 2, 3]
+    assert best_chain(np.zeros(0, np.int32), np.zeros(0, np.float32), 0.1).tolist() == []
+
+
+def test_chains_follow_the_store_and_are_model_ids(built, retriever):
+    _, corpus = built
+    offset = 1000  # model id of store id 0: a model whose speech ids start at 1000
+    drafter = ChainDrafter(retriever, k=6, speaker=None, speech_offset=offset)
+    utterance = np.array(corpus[0]["tokens"])
+    history = np.concatenate([[5, 6, 7], utterance[:40] + offset])  # text ids, then speech
+    [chain] = drafter.propose([history])
+    tree = retriever.propose(utterance[:40], max_depth=6)
+    expected = tree.tokens[best_chain(tree.parents, tree.probs, drafter.token_cost)] + offset
+    assert chain == expected.tolist() and 1 <= len(chain) <= 6
+    assert drafter.propose([history[:3]]) == [[]]  # the last token is text: nothing to continue
+    assert drafter.propose([np.zeros(0, np.int64)]) == [[]]
+
+
+def test_rows_are_independent_of_their_order_and_neighbours(built, retriever):
+    _, corpus = built
+    drafter = ChainDrafter(retriever, k=8)
+    histories = [np.array(u["tokens"][:30 + i]) for i, u in enumerate(corpus[:8])]
+    alone = [drafter.propose([h])[0] for h in histories]
+    order = np.random.default_rng(0).permutation(len(histories))
+    shuffled = drafter.propose([histories[i] for i in order])
+    assert [shuffled[list(order).index(i)] for i in range(len(histories))] == alone
+    assert any(alone)
+
+
+def test_speaker_is_chosen_from_the_reference_speech_in_the_prompt(built, retriever):
+    _, corpus = built
+    speakers = by_speaker(corpus)
+    propose_rows = lambda contexts, rows, depth: [retriever.propose(c, s, None, depth)  # noqa: E731
+                                                  for c, s in zip(contexts, rows)]
+    choose = SpeakerChoice(propose_rows, lambda: retriever.speakers, 0, retriever.vocab_size)
+    assert all(choose(np.array(utts[-1][:80])) == name for name, utts in speakers.items())
+    assert choose(np.array(corpus[0]["tokens"][:8])) is None  # too little speech to tell
+    named = SpeakerChoice(propose_rows, lambda: retriever.speakers, 0, retriever.vocab_size,
+                          speaker_tokens={"chosen": [9999, 3]})
+    assert named(np.array([1, 9999, 3, 4])) == "chosen"
+    assert contains(np.array([1, 2, 3]), np.array([2, 3])) and not contains(np.array([1, 2, 3]), np.array([3, 2]))
+
+
+def test_prompt_memory_finds_each_request_again_and_stays_bounded():
+    calls = []
+
+    def choose(prompt):
+        calls.append(len(prompt))
+        return f"s{int(prompt[1])}"
+
+    memory = PromptMemory(choose, capacity=4)
+    prompts = [np.array([0, i] + [7] * 20) for i in range(6)]
+    assert [memory.speaker(np.append(p, 100)) for p in prompts[:3]] == ["s0", "s1", "s2"]
+    assert calls == [22, 22, 22]
+    # later steps of the same requests, in another order, with more output: found, not chosen again
+    assert memory.speaker(np.append(prompts[2], [100, 5, 6])) == "s2"
+    assert memory.speaker(np.append(prompts[0], [100, 9])) == "s0"
+    assert len(calls) == 3
+    short = np.array([3, 4])  # a prompt shorter than the hashed head
+    assert memory.speaker(np.append(short, 100)) is not None and memory.speaker(np.append(short, [100, 1])) == "s4"
+    for p in prompts[3:]:
+        memory.speaker(np.append(p, 100))
+    assert len(memory) == 4  # bounded: the least recently used went
+
+
+def test_per_row_speakers_over_the_service_match_in_process(built, retriever):
+    store, corpus = built
+    speakers = list(retriever.speakers)
+    contexts = [np.array(u["tokens"][:25]) for u in corpus[:6]]
+    rows = [speakers[i % len(speakers)] if i % 3 else None for i in range(len(contexts))]
+    with Server(store) as server, RemoteRetriever(server.url, "store", timeout=5.0) as remote:
+        trees = remote.propose_batch(contexts, rows)
+        for tree, context, speaker in zip(trees, contexts, rows):
+            assert tree.to_dict() == retriever.propose(context, speaker).to_dict()
+        with pytest.raises(ValueError, match="2 speakers for 6 contexts"):
+            remote.propose_batch(contexts, rows[:2])
+        drafter = ChainDrafter(remote, k=8, step_timeout=5.0)
+        local = ChainDrafter(retriever, k=8, step_timeout=5.0)
+        histories = [np.array(u["tokens"][:60]) for u in corpus[:5]]
+        assert drafter.propose(histories) == local.propose(histories)
+
+
+def test_a_frozen_or_silent_service_costs_a_timeout_not_the_step(built):
+    store, corpus = built
+    history = np.array(corpus[0]["tokens"][:30])
+    with Server(store) as server:
+        drafter = ChainDrafter(RemoteRetriever(server.url, "store", timeout=0.05), k=8, step_timeout=0.05)
+        assert drafter.propose([history])[0]
+        os.kill(server.process.pid, signal.SIGSTOP)  # the service hangs: alive, accepting, never answering
+        try:
+            started = time.perf_counter()
+            with pytest.raises(RetrieverUnavailable):
+                drafter.propose([history])
+            assert time.perf_counter() - started < 0.5
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        time.sleep(2.1)  # past the circuit breaker's longest back-off
+        assert drafter.propose([history])[0]  # back once it answers
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)  # the kernel accepts; nobody ever answers
+    try:
+        started = time.perf_counter()
+        with pytest.raises(RetrieverUnavailable):
+            ChainDrafter(RemoteRetriever(f"http://127.0.0.1:{listener.getsockname()[1]}", "store", timeout=0.05))
+        assert time.perf_counter() - started < 0.5
+    finally:
+        listener.close()
+
+
+def test_bad_settings_are_refused(retriever):
+    with pytest.raises(ValueError, match="unknown speaker"):
+        ChainDrafter(retriever, speaker="nobody")
+    with pytest.raises(ValueError, match="k >= 1"):
+        ChainDrafter(retriever, k=0)
