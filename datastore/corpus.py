@@ -329,7 +329,8 @@ def _parquet_file(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise CorpusError(f"{path}: reading Parquet needs pyarrow (pip install 'echospec[parquet]')") from None
+        raise CorpusError(f"{path}: reading Parquet needs pyarrow: install the parquet extra: "
+                          "pip install -e '.[parquet]' in a checkout") from None
     try:
         return pq.ParquetFile(path)
     except (OSError, ValueError) as e:  # pyarrow's errors subclass these
