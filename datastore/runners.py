@@ -8,9 +8,16 @@ Ray is imported only here and only for `--ray`: it is the optional `ray` extra.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -45,7 +52,8 @@ class LocalRunner:
             for key, fn, kwargs, _ in jobs:
                 yield key, fn(**kwargs)
             return
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=die_with_parent, initargs=(os.getpid(),))
         try:
             pending = {pool.submit(fn, **kwargs): key for key, fn, kwargs, _ in jobs}
             while pending:
@@ -61,15 +69,45 @@ class LocalRunner:
         pass
 
 
+def die_with_parent(parent: int) -> None:
+    """In a worker process: be killed when the driver dies, however it dies (kill -9 included), so that no
+    worker of a killed build lives on blocked on its pipe. Linux: the kernel's parent-death signal; elsewhere
+    a thread that watches the parent."""
+    try:
+        asked = ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # no prctl: not Linux
+        asked = False
+    if os.getppid() != parent:  # the driver died before this worker asked
+        os._exit(1)
+    if not asked:
+        threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 class RayRunner:
     """Tasks on a Ray cluster: Ray Data reads the corpus units, one Ray task builds each store."""
 
     def __init__(self, address: str):
         self.ray = import_ray()
         self.started = not self.ray.is_initialized()
+        self.reaper = None
         if self.started:  # "auto": the cluster `ray start` left on this machine, else a new local one
-            self.ray.init(address=None if address == "auto" else address, logging_level=logging.WARNING,
-                          log_to_driver=False, configure_logging=True)
+            mark = f"{os.getpid()}-{uuid.uuid4().hex}"
+            self.reaper = start_reaper(mark)
+            os.environ[CLUSTER_MARK] = mark  # inherited by every process of a cluster that ray.init starts
+            try:
+                self.ray.init(address=None if address == "auto" else address, logging_level=logging.WARNING,
+                              log_to_driver=False, configure_logging=True)
+            finally:
+                del os.environ[CLUSTER_MARK]
         import ray.data
 
         logging.getLogger("ray.data").setLevel(logging.ERROR)  # its notes on execution are not the user's
@@ -125,6 +163,36 @@ class RayRunner:
     def close(self) -> None:
         if self.started:
             self.ray.shutdown()
+        if self.reaper is not None:  # it removes what shutdown left, then exits
+            self.reaper.stdin.close()
+            self.reaper.wait()
+
+
+CLUSTER_MARK = "ECHOSPEC_RAY_CLUSTER"
+REAPER = """
+import os, signal, sys
+mark, driver = ("%s=" % sys.argv[1]).encode() + sys.argv[2].encode(), int(sys.argv[3])
+sys.stdin.buffer.read()  # returns when the driver closes the pipe or dies, however it dies
+for entry in os.listdir("/proc"):
+    if entry.isdigit() and int(entry) not in (os.getpid(), driver):
+        try:
+            with open("/proc/%s/environ" % entry, "rb") as f:
+                if mark in f.read().split(b"\\0"):
+                    os.kill(int(entry), signal.SIGKILL)
+        except OSError:
+            pass
+"""
+"""Run beside a build that starts its own Ray cluster: when the driver is gone, kill every process that carries
+the cluster's mark in its environment. Ray ties its head processes to the driver, but not the agents its
+raylet starts (the dashboard and runtime-env agents outlived a killed driver)."""
+
+
+def start_reaper(mark: str) -> subprocess.Popen | None:
+    """The reaper for a cluster marked `mark`, on systems with /proc (elsewhere None: Ray's own ties only)."""
+    if not os.path.isdir("/proc"):
+        return None
+    return subprocess.Popen([sys.executable, "-c", REAPER, CLUSTER_MARK, mark, str(os.getpid())],
+                            stdin=subprocess.PIPE, start_new_session=True)
 
 
 def _partition_batch(batch: dict) -> dict:

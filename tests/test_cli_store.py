@@ -89,9 +89,9 @@ def test_enroll_command(store, tmp_path):
     extra = tmp_path / "cat.jsonl"
     extra.write_text(json.dumps({"tokens": [1, 2, 3, 4]}) + "\n")
     result = run("enroll", store, "cat", extra)
-    assert result.exit_code == 0 and "enrolled cat: 1 utterances, 4 tokens" in result.output
+    assert result.exit_code == 0 and "enrolled cat: 1 utterances added; now 1 utterances, 4 tokens" in result.output
     result = run("enroll", store, "cat", extra, extra, "--replace")
-    assert result.exit_code == 0 and "replaced cat: 2 utterances, 8 tokens" in result.output
+    assert result.exit_code == 0 and "replaced cat: 2 utterances added; now 2 utterances, 8 tokens" in result.output
     fails_cleanly(run("enroll", store, "cat", tmp_path / "missing.jsonl"), "corpus file not found")
 
 

@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,3 +206,64 @@ def test_flipped_bytes_in_every_store_file_are_answered_or_refused_in_one_line(t
         assert outcomes.get(f"{short} verify answered", 0) == 0, (name, outcomes)
     assert any(key.endswith("retriever refused") for key in outcomes)  # the readers do see damage
     open_datastore(store, verify=True)  # every file restored
+
+
+# --- a killed build leaves no process running --------------------------------------------------------------
+
+
+def descendants(pid):
+    """(pid, start time) of every living descendant of `pid`, from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = (int(fields[1]), fields[19])  # ppid, start time
+    found, frontier = set(), {pid}
+    while frontier:
+        children = {(p, start) for p, (ppid, start) in parents.items() if ppid in frontier}
+        found |= children
+        frontier = {p for p, _ in children}
+    return found
+
+
+def still_running(processes):
+    """Those of `processes` (pid, start time) still running: alive, not a zombie, not a reused pid."""
+    running = []
+    for pid, start in processes:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and fields[19] == start:
+            running.append(pid)
+    return running
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
+def test_kill_9_of_a_sharded_build_leaves_no_worker_running(tmp_path):
+    """The issue's case: `kill -9` of `echospec build --shards 4` left its spawned workers and the resource
+    tracker running under PID 1, blocked on a pipe. They die with the driver now; the re-run resumes."""
+    rng = np.random.default_rng(3)
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"id": f"u{i}", "speaker": f"s{i % 4}", "tokens": rng.integers(0, 2000, 3000).tolist()})
+                    + "\n")
+    command = [str(Path(sys.executable).with_name("echospec")), "build", str(tmp_path / "c.jsonl"),
+               str(tmp_path / "store"), "--shards", "4", "--workers", "4", "--no-faiss", "--quiet"]
+    driver = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".store.work-*/*/.*.tmp-*/task.json")) and time.monotonic() < deadline:
+        assert driver.poll() is None, "the build ended before it could be killed"
+        time.sleep(0.02)  # until a worker builds a store
+    workers = descendants(driver.pid)
+    assert len(workers) >= 3  # the workers and multiprocessing's resource tracker
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    deadline = time.monotonic() + 60  # a worker still starting (importing) dies when it is up
+    while still_running(workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert still_running(workers) == [], "processes of the killed build are still running"
+    subprocess.run(command, check=True, timeout=300)
+    open_datastore(tmp_path / "store", verify=True)
