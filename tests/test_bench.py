@@ -61,16 +61,22 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
     # two utterances are too few for "auto" to settle, and the table says so; a pinned budget needs no such note
     from echospec.tools.bench import format_table
 
-    assert "over 2 its figures are mostly that measuring" in result.output
+    printed = " ".join(result.output.split())  # the short table's notes wrap at 100 columns
+    assert "over 2 its figures are mostly that measuring" in printed
     assert "mostly that measuring" not in format_table(report | {"setup": report["setup"] | {"max_nodes": 8}})
     assert systems["hf-prompt-lookup"]["forward_cost_speedup"] is None  # its candidate lengths are not visible
     sampling = systems["exact-sampling/speaker"]
     assert 0 < sampling["forward_cost_speedup"] <= sampling["tokens_per_forward"]  # tree forwards never cost less
-    assert "verify-cost curve" in result.output
-    assert (out / "bench.png").stat().st_size > 10_000 and (out / "bench.md").exists()
+    # printed: the headline first, then a table that fits 100 columns; bench.md: the full table and its notes
+    table = result.output[result.output.index("Lossless greedy: "):result.output.index("\nWrote ")]
+    assert max(len(line) for line in table.splitlines()) <= 100
+    assert "identical output in 2/2 utterances" in table.splitlines()[0]
+    full = (out / "bench.md").read_text()
+    assert "Lossless greedy: " in full and "verify-cost curve" in full and "max dlogit" in full
+    assert (out / "bench.png").stat().st_size > 10_000
     assert "exact-greedy/speaker" in result.output
     # identical lossless outputs report no divergence; what the auto budget measured per cap is in the report
-    assert systems["exact-greedy/speaker"]["divergences"] == [] and "max dlogit" in result.output
+    assert systems["exact-greedy/speaker"]["divergences"] == []
     auto = report["auto_budgets"]["exact-greedy/speaker"]
     assert sum(auto["steps"].values()) > 0 and auto["fastest"] in (0, 4, 8, 16, 32, 64)
     # and the cap each of its steps ran, per utterance (fixed budgets keep none)
@@ -84,7 +90,7 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
               zip(report["utterances"]["filtered/speaker/n4d8"], report["utterances"]["filtered/speaker"])]
     entry = against["filtered/speaker"]["n4d8"]
     assert entry["median"] == pytest.approx(float(np.median(ratios))) and entry["ci95"][0] <= entry["median"] <= entry["ci95"][1]
-    assert "auto against the fixed budgets" in result.output and "filtered/speaker: n4d8" in result.output
+    assert "auto against the fixed budgets" in printed and "filtered/speaker: n4d8" in printed
     assert report["machine"]["dtype"] == "float32"
 
 
@@ -125,10 +131,10 @@ def test_bench_refuses_a_folder_that_is_no_checkpoint(sample_store, tmp_path):
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("nodes", ["-3", "eight", "4.5"])
-def test_bench_refuses_a_node_budget_that_is_no_budget(sample_store, nodes):
+@pytest.mark.parametrize("nodes, spelling", [("-3", "--max-nodes"), ("eight", "--max-nodes"), ("4.5", "--nodes")])
+def test_bench_refuses_a_node_budget_that_is_no_budget(sample_store, nodes, spelling):
     result = CliRunner().invoke(main, ["bench", str(SAMPLE_MODEL_DIR), "--store", str(sample_store),
-                                       "--prompts", str(SAMPLE_PROMPTS), "--nodes", nodes])
+                                       "--prompts", str(SAMPLE_PROMPTS), spelling, nodes])
     assert result.exit_code == 2 and f"'{nodes}': a non-negative integer" in result.output
     assert "Traceback" not in result.output
 
@@ -139,7 +145,8 @@ def test_demo_builds_queries_and_benchmarks(tmp_path):
     result = CliRunner().invoke(main, ["demo", "--out", str(out), "--limit", "1"])
     assert result.exit_code == 0, result.output
     assert "speaker stores" in result.output and "candidate nodes" in result.output
-    assert "first 10 utterances measure its caps, so over 1 its figures are mostly that measuring" in result.output
+    printed = " ".join(result.output.split())
+    assert "first 10 utterances measure its caps, so over 1 its figures are mostly that measuring" in printed
     report = json.loads((out / "bench.json").read_text())
     assert {"filtered/speaker", "tolerance/general", "similarity/speaker"} <= set(report["systems"])
     assert (out / "store" / "catalog.sqlite").exists() and (out / "bench.png").exists()
@@ -161,12 +168,12 @@ def test_bench_and_demo_turn_bad_paths_into_messages(tmp_path):
 def test_bench_plot_takes_auto_utterances_without_steps(tmp_path):
     # rows without caps (a bench.json from before they were recorded) are left out, not a KeyError
     from echospec.tools.bench.report import plot
-    from echospec.tools.bench.harness import System
 
-    entry = {"speedup": 1.0, "speedup_ci95": [0.9, 1.1], "log_likelihood": {"mean": -1.0, "ci95": [-1.1, -0.9]}}
+    entry = {"baseline": "autoregressive", "speedup": 1.0, "speedup_ci95": [0.9, 1.1],
+             "log_likelihood": {"mean": -1.0, "ci95": [-1.1, -0.9]}}
     report = {"systems": {"exact-greedy/speaker": entry},
               "utterances": {"exact-greedy/speaker": [{"caps": [8] * 16 + [0] * 8}, {}, {"caps": [4] * 24}]}}
-    plot(report, [System("exact-greedy/speaker", None, accepted=[0, 1, 2])], tmp_path / "bench.png")
+    plot(report, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 10_000
 
 
@@ -174,7 +181,7 @@ def test_grouped_heads_benchmark_runs_both_ways_with_the_same_tokens(sample_stor
     from echospec.tools.benchmarks import grouped_heads
 
     monkeypatch.delenv(grouped_heads.SWITCH, raising=False)
-    result = CliRunner().invoke(grouped_heads.main, ["--store", str(sample_store), "--limit", "3", "--nodes", "4",
+    result = CliRunner().invoke(grouped_heads.main, ["--store", str(sample_store), "--limit", "3", "--max-nodes", "4",
                                                      "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "grouped_heads.json").read_text())
@@ -185,3 +192,31 @@ def test_grouped_heads_benchmark_runs_both_ways_with_the_same_tokens(sample_stor
     monkeypatch.setenv(grouped_heads.SWITCH, "1")
     result = CliRunner().invoke(grouped_heads.main, ["--store", str(sample_store), "--out", str(tmp_path)])
     assert result.exit_code == 2 and "unset TRANSFORMERS_SDPA_FORCE_GQA" in result.output
+
+
+def test_the_table_opens_with_the_headline_and_fits_100_columns():
+    from echospec.tools.bench import format_table
+
+    def system(baseline, speedup, same=None):
+        entry = {"baseline": baseline, "speedup": speedup, "speedup_ci95": [speedup - 0.1, speedup + 0.1],
+                 "tokens_per_forward": 1.5, "relative_change": {"log_likelihood": {"mean": 0.01, "ci95": [0, 0.02]}}}
+        return entry | ({} if same is None else {"identical_to_baseline": same})
+
+    systems = {"autoregressive": system("autoregressive", 1.0), "ar-sampling": system("ar-sampling", 1.0),
+               "exact-greedy/speaker": system("autoregressive", 1.62, 1.0),
+               "exact-greedy/general": system("autoregressive", 1.31, 1.0),
+               "exact-sampling/speaker": system("ar-sampling", 1.2, 0.75),
+               "filtered/a-very-long-store-name-indeed": system("ar-sampling", 1.4)}
+    report = {"systems": systems, "utterances": {name: [{}] * 4 for name in systems}}
+    lines = format_table(report).splitlines()
+    assert lines[0] == "Lossless greedy: 1.62x faster than autoregressive, identical output in 4/4 utterances"
+    assert lines[1].startswith("(exact-greedy/speaker; ")
+    assert max(map(len, lines)) <= 100
+    # each group says its baseline, so no speed-up is read against the wrong one
+    assert lines[3].startswith("Greedy, against autoregressive") and any(l.startswith("Sampling, against ar-sampling")
+                                                                         for l in lines)
+    del systems["exact-greedy/speaker"], systems["exact-greedy/general"]
+    systems["exact-sampling/speaker"]["speedup"] = 0.9
+    assert format_table(report).splitlines()[:2] == [
+        "Lossless sampling: 0.90x the speed of ar-sampling (slower), identical output in 3/4 utterances",
+        "(exact-sampling/speaker; every figure below is against the baseline its group names)"]

@@ -73,3 +73,37 @@ def test_store_commands_need_only_the_core_install(tmp_path):
                          ["query", tmp_path / "store", "--context", "1 2 3", "--json"]], web_and_models)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1])["tree"]["tokens"][0] == 4  # what followed 1 2 3 every time
+
+
+def _options():
+    """(command, option) for every option of every `echospec` command, and of `echospec` itself."""
+    import click
+
+    from echospec.tools.cli import main
+
+    commands = [("echospec", main)] + [(name, command) for name, command in main.commands.items()]
+    return [(name, param) for name, command in commands for param in command.params if isinstance(param, click.Option)]
+
+
+def test_every_option_says_what_it_does_and_shows_its_default_one_way():
+    import re
+
+    assert len(_options()) > 60
+    assert [f"{name} {option.opts[0]}" for name, option in _options() if not (option.help or "").strip()] == []
+    # a default is click's [default: ...] (show_default), never written into the help as "default: x" or "[x]"
+    assert [f"{name} {option.opts[0]}: {option.help}" for name, option in _options()
+            if re.search(r"\bdefault: |\[[^\]]*\]\.?$", option.help)] == []
+
+
+def test_node_and_depth_budgets_are_spelled_one_way():
+    from click.testing import CliRunner
+
+    from echospec.tools.cli import main
+
+    spelled = {name: {o for _, option in _options() for o in option.opts if _ == name} for name in main.commands}
+    for command in ("bench", "query", "serve"):
+        assert {"--max-nodes", "--max-depth"} <= spelled[command], command
+    # bench's earlier spellings still work, and --help shows only the one name
+    assert {"--nodes", "--depth"} <= spelled["bench"]
+    shown = CliRunner().invoke(main, ["bench", "--help"]).output
+    assert "--max-nodes" in shown and "--nodes" not in shown.replace("--max-nodes", "").replace("--sweep-nodes", "")

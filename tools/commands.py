@@ -81,3 +81,28 @@ def limit_option(default: int | None = None, help: str = "Use the first N prompt
     """--limit: how many prompts (or sentences) a command uses."""
     return click.option("--limit", default=default, show_default=default is not None, type=click.IntRange(1),
                         help=help)
+
+
+class OldSpellings(click.Option):
+    """An option whose secondary names are earlier spellings: still accepted, left out of --help."""
+
+    def get_help_record(self, ctx):
+        names = self.opts
+        self.opts = names[:1]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = names
+
+
+def dtype_option(default: str = "float32", help: str = "Precision the model runs in."):
+    """--dtype: float32, bfloat16 or float16."""
+    from .bench.harness import DTYPES
+
+    return click.option("--dtype", default=default, show_default=True, type=click.Choice(DTYPES), help=help)
+
+
+def device_option(default: str = "cpu"):
+    """--device: where the model runs."""
+    return click.option("--device", default=default, show_default=True,
+                        help="Where the model runs: cpu, cuda, cuda:1, ...")

@@ -4,12 +4,13 @@ table printed and written to bench.md, bench.json and the plot bench.png."""
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import numpy as np
 
 from ...datastore.files import atomic_file
-from .harness import System, plot_cost_curve, pyplot, save_figure
+from .harness import System, pyplot, save_figure
 from .quality import bootstrap_ci, median_ratio_ci, ratio_of_medians_ci, relative_difference_ci
 
 
@@ -76,46 +77,107 @@ def auto_against_fixed(rows: dict) -> dict:
     return compared
 
 
-def format_table(report: dict) -> str:
-    """One row per system; quality changes are relative to the system's baseline, with 95% intervals."""
-    from ...decoder.cost import FIRST_ARM, SETTLE
+WIDTH = 100  # the short table and its notes fit a terminal this wide
 
-    def change(entry, measure):
-        ci = entry.get("relative_change", {}).get(measure)
-        return f"{100 * ci['mean']:+5.1f}% [{100 * ci['ci95'][0]:+5.1f},{100 * ci['ci95'][1]:+5.1f}]" if ci else "-"
 
+def format_table(report: dict, full: bool = False) -> str:
+    """The headline, then one row per system, grouped by the baseline its speed and quality are measured
+    against. Short (the default): speed-up, tokens per forward, quality change and identity, in WIDTH
+    columns; `full`: every measure with its 95% interval (what bench.md holds)."""
+    notes = [headline(report), ""]
+    notes += _full_table(report) if full else _short_table(report)
+    notes += _auto_notes(report, full)
+    return "\n".join(notes)
+
+
+def headline(report: dict) -> str:
+    """How much faster the fastest lossless system ran than its baseline, and whether its output was the
+    baseline's (greedy if it ran, else sampling); on a second line, which system that was."""
+    systems = report["systems"]
+    for kind, baseline in (("greedy", "autoregressive"), ("sampling", "ar-sampling")):
+        lossless = [name for name, s in systems.items()
+                    if s.get("identical_to_baseline") is not None and s["baseline"] == baseline
+                    and name != "hf-prompt-lookup"]
+        if lossless:
+            name = max(lossless, key=lambda n: systems[n]["speedup"])
+            s = systems[name]
+            utterances = len(report["utterances"][name])
+            same = round(s["identical_to_baseline"] * utterances)
+            speed = (f"{s['speedup']:.2f}x faster than {baseline}" if s["speedup"] >= 1
+                     else f"{s['speedup']:.2f}x the speed of {baseline} (slower)")
+            return (f"Lossless {kind}: {speed}, identical output in {same}/{utterances} utterances\n"
+                    f"({name}; every figure below is against the baseline its group names)")
+    return "No lossless system ran; every figure below is against the baseline its group names"
+
+
+def _groups(report: dict) -> list[tuple[str, list[str]]]:
+    """(title, system names) per baseline: greedy systems against autoregressive, sampling ones against ar-sampling."""
+    names = list(report["systems"])
+    greedy_baseline = ("Hugging Face generate" if "hf-prompt-lookup" in names else "echospec's own loop")
+    titles = {"autoregressive": f"Greedy, against autoregressive ({greedy_baseline}):",
+              "ar-sampling": "Sampling, against ar-sampling (autoregressive sampling with the same sampler):"}
+    groups = []
+    for baseline, title in titles.items():
+        members = [n for n in names if report["systems"][n]["baseline"] == baseline]
+        if members:
+            groups.append((title, members))
+    return groups
+
+
+def _change(entry: dict, measure: str, interval: bool = False) -> str:
+    ci = entry.get("relative_change", {}).get(measure)
+    if not ci:
+        return "-"
+    mean = f"{100 * ci['mean']:+5.1f}%"
+    return f"{mean} [{100 * ci['ci95'][0]:+5.1f},{100 * ci['ci95'][1]:+5.1f}]" if interval else mean
+
+
+def _short_table(report: dict) -> list[str]:
+    header = (f"  {'system':30} {'speed-up':>8} {'95% CI':>13} {'tok/fwd':>7} {'log-lik':>8} {'mel-DTW':>8} "
+              f"{'same':>5}")
+    lines = []
+    for title, names in _groups(report):
+        lines += [title, header]
+        for name in names:
+            s = report["systems"][name]
+            same = s.get("identical_to_baseline")
+            lines.append(f"  {name:30} {s['speedup']:7.2f}x {'[{:.2f}, {:.2f}]'.format(*s['speedup_ci95']):>13} "
+                         f"{s['tokens_per_forward']:7.2f} {_change(s, 'log_likelihood'):>8} "
+                         f"{_change(s, 'mel_distortion'):>8} {'-' if same is None else f'{same:.2f}':>5}")
+        lines.append("")
+    return lines + _wrapped(
+        "speed-up: the baseline's median time per token over the system's, with its 95% interval; tok/fwd: "
+        "tokens per target forward; log-lik, mel-DTW: mean change against the baseline of the target's "
+        "log-likelihood and of the log-mel distortion to the reference; same: share of utterances token for "
+        "token the baseline's. --full (and bench.md): time per token, paired ratios, the verify-cost "
+        "prediction, real-time factor, intervals and logit differences.")
+
+
+def _full_table(report: dict) -> list[str]:
     header = (f"{'system':32} {'tok/fwd':>7} {'TPT ms':>7} {'speed-up':>8} {'95% CI':>13} {'paired':>7} {'fwd-cost':>8} "
               f"{'LM RTF':>6} {'log-lik':>7} {'vs baseline':>21} {'mel-DTW':>7} {'vs baseline':>21} {'same':>5} {'max dlogit':>10}")
-    lines = [header, "-" * len(header)]
-    for name, s in report["systems"].items():
-        mel = s["mel_distortion"]
-        same = s.get("identical_to_baseline")
-        predicted = s.get("forward_cost_speedup")
-        lines.append(
-            f"{name:32} {s['tokens_per_forward']:7.2f} {s['time_per_token_ms']['median']:7.2f} {s['speedup']:7.2f}x "
-            f"{'[{:.2f}, {:.2f}]'.format(*s['speedup_ci95']):>13} {s['speedup_paired']['median']:6.2f}x "
-            f"{'-' if predicted is None else f'{predicted:.2f}x':>8} "
-            f"{s['lm_rtf']:6.3f} {s['log_likelihood']['mean']:7.3f} {change(s, 'log_likelihood'):>21} "
-            f"{mel['mean'] if mel else float('nan'):7.2f} {change(s, 'mel_distortion'):>21} "
-            f"{'-' if same is None else f'{same:.2f}':>5} {_largest_difference(s):>10}")
-    curve = report.get("verify_cost_curve")
-    lines += ["", "speed-up: the baseline's median time per token over the system's; paired: the median over utterances "
+    lines = []
+    for title, names in _groups(report):
+        lines += [title, header, "-" * len(header)]
+        for name in names:
+            s = report["systems"][name]
+            mel = s["mel_distortion"]
+            same = s.get("identical_to_baseline")
+            predicted = s.get("forward_cost_speedup")
+            lines.append(
+                f"{name:32} {s['tokens_per_forward']:7.2f} {s['time_per_token_ms']['median']:7.2f} {s['speedup']:7.2f}x "
+                f"{'[{:.2f}, {:.2f}]'.format(*s['speedup_ci95']):>13} {s['speedup_paired']['median']:6.2f}x "
+                f"{'-' if predicted is None else f'{predicted:.2f}x':>8} "
+                f"{s['lm_rtf']:6.3f} {s['log_likelihood']['mean']:7.3f} {_change(s, 'log_likelihood', True):>21} "
+                f"{mel['mean'] if mel else float('nan'):7.2f} {_change(s, 'mel_distortion', True):>21} "
+                f"{'-' if same is None else f'{same:.2f}':>5} {_largest_difference(s):>10}")
+        lines.append("")
+    lines += ["speed-up: the baseline's median time per token over the system's; paired: the median over utterances "
               "of each one's ratio (prompt, length and the machine's state of the moment cancel)",
               "same: share of utterances token for token the baseline's; max dlogit: over the others, the largest "
               "logit difference at the first divergent token between the system's forward and a plain one-token "
               "forward (rounding flips near-ties at ~1e-6 in float32, ~1e-2 in bfloat16; a bug shows far larger)"]
-    setup = report.get("setup", {})
-    utterances = setup.get("utterances")
-    if setup.get("max_nodes") == "auto" and utterances is not None and utterances < 4 * SETTLE:
-        lines += ["", f"auto (the node budget): each system's first {SETTLE} utterances measure its caps, so over "
-                  f"{utterances} its figures are mostly that measuring, not the cap it settles on; run more "
-                  f"prompts or --rounds, or pin a budget (--nodes {FIRST_ARM})"]
-    against = report.get("auto_against_fixed")
-    if against:
-        lines += ["", "auto against the fixed budgets swept beside it (paired: each utterance's time per token under the "
-                  "budget over auto's, median and 95% interval; below 1 with its whole interval, pinning that budget was faster):"]
-        lines += [f"  {name}: " + ", ".join(f"{budget} {r['median']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
-                                            for budget, r in fixed.items()) for name, fixed in against.items()]
+    curve = report.get("verify_cost_curve")
     if curve:
         points = ", ".join(f"{n}: {r:.2f}" for n, r in zip(curve["sizes"], curve["relative"]))
         lines += ["",
@@ -123,7 +185,34 @@ def format_table(report: dict) -> str:
                    f"context): {points}"),
                   ("fwd-cost: the speed-up this curve predicts from the steps' tree sizes alone; tok/fwd: the speed-up "
                    "where a tree forward costs one step")]
-    return "\n".join(lines)
+    return lines
+
+
+def _auto_notes(report: dict, full: bool) -> list[str]:
+    """What the "auto" node budget's figures mean over this run, and how it fared against the fixed budgets
+    swept beside it."""
+    from ...decoder.cost import FIRST_ARM, SETTLE
+
+    wrap = (lambda text: [text]) if full else _wrapped
+    lines = []
+    setup = report.get("setup", {})
+    utterances = setup.get("utterances")
+    if setup.get("max_nodes") == "auto" and utterances is not None and utterances < 4 * SETTLE:
+        lines += [""] + wrap(f"auto (the node budget): each system's first {SETTLE} utterances measure its caps, so "
+                             f"over {utterances} its figures are mostly that measuring, not the cap it settles on; "
+                             f"run more prompts or --rounds, or pin a budget (--max-nodes {FIRST_ARM})")
+    against = report.get("auto_against_fixed")
+    if against:
+        lines += [""] + wrap("auto against the fixed budgets swept beside it (paired: each utterance's time per "
+                             "token under the budget over auto's, median and 95% interval; below 1 with its whole "
+                             "interval, pinning that budget was faster):")
+        lines += [f"  {name}: " + ", ".join(f"{budget} {r['median']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+                                            for budget, r in fixed.items()) for name, fixed in against.items()]
+    return lines
+
+
+def _wrapped(text: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH)
 
 
 def _largest_difference(entry: dict) -> str:
@@ -134,72 +223,99 @@ def _largest_difference(entry: dict) -> str:
     return f"{max(differences):.1e}" if differences else ("0" if not entry["divergences"] else "?")
 
 
-def write_report(report: dict, systems: list[System], out_dir: Path) -> None:
-    """bench.json, bench.md and bench.png in `out_dir`, each written to a temporary file and renamed."""
+def write_report(report: dict, out_dir: Path) -> None:
+    """bench.json, bench.md (the full table) and bench.png in `out_dir`, each written to a temporary file and
+    renamed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with atomic_file(out_dir / "bench.json") as f:
         json.dump(report, f, indent=1)
     with atomic_file(out_dir / "bench.md") as f:
-        f.write("```\n" + format_table(report) + "\n```\n")
-    plot(report, systems, out_dir / "bench.png")
+        f.write("```\n" + format_table(report, full=True) + "\n```\n")
+    plot(report, out_dir / "bench.png")
 
 
-def plot(report: dict, systems: list[System], path: Path) -> None:
-    """Accepted tree nodes per step for each echospec system; speed-up against quality; the verify-cost curve;
-    where max_nodes="auto" ran, the caps it chose over the run."""
+BASELINES = {"autoregressive": ("greedy, against autoregressive", "tab:blue"),
+             "ar-sampling": ("sampling, against ar-sampling", "tab:orange")}
+
+
+def plot(report: dict, path: Path) -> None:
+    """Each system's speed-up over its baseline; the sampling systems' speed against their quality; where
+    max_nodes="auto" ran, the share of steps it gave each cap."""
     plt = pyplot()
     # rows without caps (a report from before they were recorded) are left out
     auto = {name: runs for name, runs in report["utterances"].items() if any("caps" in run for run in runs)}
-    fig, axes = plt.subplots(1, 3 + bool(auto), figsize=(19 + 6 * bool(auto), 5.5),
-                             gridspec_kw={"width_ratios": [3, 3, 2] + [3] * bool(auto)})
-    left, right, cost = axes[:3]
-    palette = plt.get_cmap("tab20")
-    colors = {system.name: palette(i % 20) for i, system in enumerate(systems)}  # one per system, in every panel
-    for system in systems:
-        color = colors[system.name]
-        if system.accepted and system.name not in ("autoregressive", "ar-sampling"):
-            counts = np.bincount(system.accepted)
-            left.plot(np.arange(len(counts)), counts / counts.sum(), marker="o", color=color, label=system.name)
-        s = report["systems"][system.name]
-        ll = s["log_likelihood"]
-        low, high = s["speedup_ci95"]
-        right.errorbar(s["speedup"], ll["mean"], yerr=[[ll["mean"] - ll["ci95"][0]], [ll["ci95"][1] - ll["mean"]]],
-                       xerr=[[s["speedup"] - low], [high - s["speedup"]]],
-                       fmt="o", capsize=3, color=color, label=system.name)
-    left.set(xlabel="tree nodes accepted in a step", ylabel="share of steps", title="Accepted lengths")
-    left.legend(fontsize=7)
-    right.legend(fontsize=7)
-    right.set(xlabel="speed-up over its baseline (median time per token, 95% CI)",
-              ylabel="target mean log-likelihood (95% CI)", title="Speed against quality")
-    curve = report.get("verify_cost_curve")
-    if curve:
-        plot_cost_curve(cost, curve, label="this machine")
-        cost.axhline(1.0, color="grey", linestyle="--", label="flat (a GPU, roughly)")
-        cost.legend(fontsize=7)
+    sampling = [name for name, s in report["systems"].items() if s["baseline"] == "ar-sampling" != name]
+    panels = 1 + bool(sampling) + bool(auto)
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 5.5), squeeze=False)
+    axes = list(axes[0])
+    plot_speedups(axes.pop(0), report["systems"])
+    if sampling:
+        plot_speed_against_quality(axes.pop(0), {name: report["systems"][name] for name in sampling})
     if auto:
-        plot_auto_caps(axes[3], auto, colors)
+        plot_auto_caps(axes.pop(0), auto)
     fig.tight_layout()
     save_figure(fig, path)
 
 
-def plot_auto_caps(ax, auto: dict, colors: dict, window: int = 400) -> None:
-    """Each auto system's steps in decoding order, over a moving window of `window` steps (or all, if fewer):
-    the share run as trees (solid, left axis) and those steps' mean cap (dotted, right axis); `colors` by name."""
-    caps_axis = ax.twinx()
-    for name, runs in auto.items():
-        caps = np.array([cap for run in runs for cap in run.get("caps", ())], float)
-        if not len(caps):
+def plot_speedups(ax, systems: dict) -> None:
+    """One bar per system (the baselines left out): its speed-up over its own baseline, with the 95% interval,
+    coloured by that baseline."""
+    rows = [(name, s) for name, s in systems.items() if s["baseline"] != name]
+    for y, (name, s) in enumerate(rows):
+        low, high = s["speedup_ci95"]
+        ax.barh(y, s["speedup"], color=BASELINES.get(s["baseline"], ("", "tab:grey"))[1], alpha=0.8)
+        ax.errorbar(s["speedup"], y, xerr=[[s["speedup"] - low], [high - s["speedup"]]], color="black", capsize=3)
+        ax.annotate(f"{s['speedup']:.2f}x", (high, y), xytext=(4, 0), textcoords="offset points", va="center",
+                    fontsize=8)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    handles = [plt_patch(color, label) for baseline, (label, color) in BASELINES.items()
+               if any(s["baseline"] == baseline for _, s in rows)]
+    ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+    ax.set(xlabel="speed-up over its baseline (median time per token, 95% interval)", title="Speed-up")
+
+
+def plot_speed_against_quality(ax, systems: dict) -> None:
+    """The sampling systems' speed-up over autoregressive sampling against the change of the target's mean
+    log-likelihood, each with its 95% interval; a lossless system sits on the zero line."""
+    palette = pyplot().get_cmap("tab10")
+    for i, (name, s) in enumerate(systems.items()):
+        change = s.get("relative_change", {}).get("log_likelihood")
+        if change is None:
             continue
-        kernel = np.ones(min(window, len(caps))) / min(window, len(caps))
-        trees = np.convolve(caps > 0, kernel, mode="valid")
-        mean_cap = np.convolve(caps, kernel, mode="valid") / np.maximum(trees, 1e-9)
-        steps = np.arange(len(kernel), len(caps) + 1)
-        ax.plot(steps, trees, color=colors[name], label=name)
-        caps_axis.plot(steps[trees > 0], mean_cap[trees > 0], color=colors[name], linestyle=":")
-    ax.set(xlabel="decode step (all utterances, in order)", ylabel="share of steps on trees (solid)",
-           ylim=(-0.02, 1.02), title=f'max_nodes="auto": its choices ({window}-step window)')
-    caps_axis.set_yscale("log", base=2)
-    caps_axis.set(ylim=(3, 80), ylabel="their mean cap (dotted)")
-    caps_axis.set_yticks([4, 8, 16, 32, 64], ["4", "8", "16", "32", "64"])
-    caps_axis.minorticks_off()
-    ax.legend(fontsize=7)
+        mean, (c_low, c_high) = 100 * change["mean"], [100 * c for c in change["ci95"]]
+        low, high = s["speedup_ci95"]
+        ax.errorbar(s["speedup"], mean, xerr=[[s["speedup"] - low], [high - s["speedup"]]],
+                    yerr=[[mean - c_low], [c_high - mean]], fmt="o", capsize=3, color=palette(i % 10), label=name)
+    ax.axhline(0.0, color="black", linewidth=1)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
+    ax.set(xlabel="speed-up over ar-sampling (95% interval)",
+           ylabel="change of the target's mean log-likelihood (%)",
+           title="Sampling systems against ar-sampling: speed and quality")
+
+
+def plot_auto_caps(ax, auto: dict) -> None:
+    """One bar per "auto" system: the share of its steps run under each node cap (0: plain steps)."""
+    caps = {name: np.array([cap for run in runs for cap in run.get("caps", ())]) for name, runs in auto.items()}
+    values = sorted({int(c) for steps in caps.values() for c in steps})
+    palette = pyplot().get_cmap("viridis")
+    names = list(caps)
+    left = np.zeros(len(names))
+    for i, value in enumerate(values):
+        shares = np.array([np.mean(caps[n] == value) if len(caps[n]) else 0.0 for n in names])
+        ax.barh(range(len(names)), shares, left=left, color=palette(i / max(len(values) - 1, 1)),
+                label="plain steps" if value == 0 else f"{value} nodes")
+        left += shares
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlim=(0, 1), xlabel="share of its steps", title='max_nodes="auto": the caps it ran')
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=min(len(values), 6))
+
+
+def plt_patch(color: str, label: str):
+    """A legend entry: a filled square of `color`."""
+    from matplotlib.patches import Patch
+
+    return Patch(color=color, label=label)

@@ -111,7 +111,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
                        "relaxed": asdict(inputs.relaxed),
                        "sampler": {"preset": sampler_name, "rule": repr(sampler)}}
     if out_dir is not None:
-        write_report(report, compared, Path(out_dir))
+        write_report(report, Path(out_dir))
     return report
 
 

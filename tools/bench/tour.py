@@ -11,11 +11,12 @@ from .report import format_table
 from .run import bench
 
 
-def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, dtype: str = "float32", echo=print,
-         progress: bool = True) -> dict:
+def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, dtype: str = "float32", full: bool = False,
+         echo=print, progress: bool = True) -> dict:
     """Build a general and per-speaker datastore from the sample corpus, show one query, and benchmark
     autoregressive decoding against each acceptance policy on `limit` held-out sentences, in `dtype`
-    ("bfloat16" where the CPU computes it natively: AVX512-BF16 or AMX)."""
+    ("bfloat16" where the CPU computes it natively: AVX512-BF16 or AMX); prints the short table, or the `full` one
+    (bench.md has it either way)."""
     from ...datastore import build
     from ...retriever import Retriever
 
@@ -38,6 +39,7 @@ def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, dtype: str = "f
     echo(f"\nSynthesizing {limit} held-out sentences with each system ({dtype}) ...")
     report = bench(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS, tokenizer=SAMPLE_TOKENIZER, limit=limit,
                    threads=threads, dtype=dtype, out_dir=out_dir, progress=progress)
-    echo(format_table(report))
-    echo(f"\nWrote {out_dir / 'bench.json'} and the plot {out_dir / 'bench.png'}")
+    echo(format_table(report, full=full))
+    echo(f"\nWrote {out_dir / 'bench.json'}, the full table {out_dir / 'bench.md'} and the plot "
+         f"{out_dir / 'bench.png'}")
     return report

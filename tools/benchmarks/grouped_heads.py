@@ -4,7 +4,7 @@ against transformers' default, which copies the KV cache per query head in every
     python -m echospec.tools.benchmarks.grouped_heads --store runs/demo/store --threads 2 --out runs/grouped-heads
 
 The shipped sample model (6 query heads, 2 key/value heads) decodes the sample's prompts three ways, in a
-balanced order after a warm-up: autoregressive (the baseline), `--nodes` fixed tree nodes as echospec runs
+balanced order after a warm-up: autoregressive (the baseline), `--max-nodes` fixed tree nodes as echospec runs
 them, and the same with TRANSFORMERS_SDPA_FORCE_GQA=0 (transformers' default: `repeat_kv`). Prints each
 system's median time per token, its ratio to autoregressive decoding (ratio of medians and the paired median
 ratio) and the paired median ratio of the two tree systems with its 95% interval, and whether their tokens
@@ -25,7 +25,7 @@ from ...decoder.gqa import SWITCH
 from ..bench.harness import (POLICIES, System, balanced_order, copying_grouped_heads, echospec_run,
                              make_policy, warm_up)
 from ..bench.quality import median_ratio_ci, ratio_of_medians_ci
-from ..commands import limit_option, out_option, threads_option
+from ..commands import OldSpellings, limit_option, out_option, threads_option
 from ..corpus import SAMPLE_MODEL_DIR, SAMPLE_PROMPTS
 
 
@@ -80,7 +80,8 @@ def compare(store, nodes: int = 8, policy: str = "exact-sampling", limit: int | 
 @click.command()
 @click.option("--store", required=True, type=click.Path(exists=True, file_okay=False),
               help="A store built from the sample corpus (echospec demo builds one in runs/demo/store).")
-@click.option("--nodes", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--max-nodes", "--nodes", "nodes", cls=OldSpellings, default=8, show_default=True,
+              type=click.IntRange(1), help="Tree nodes each step verifies.")
 @click.option("--policy", default="exact-sampling", show_default=True, type=click.Choice(POLICIES))
 @limit_option()
 @click.option("--rounds", default=1, show_default=True, type=click.IntRange(1))

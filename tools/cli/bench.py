@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import click
 
-from ..bench.harness import DTYPES, POLICIES
-from ..commands import fail_cleanly, limit_option, needs_extra, out_option, threads_option
+from ..bench.harness import POLICIES
+from ..commands import (OldSpellings, device_option, dtype_option, fail_cleanly, limit_option, needs_extra,
+                        out_option, threads_option)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -15,51 +16,61 @@ def _ints(text: str) -> tuple[int, ...]:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
+full_option = click.option("--full", is_flag=True, help="Print the full table (every column; bench.md always has it).")
+
+
 @click.command("bench")
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.option("--store", required=True, type=click.Path(exists=True, file_okay=False), help="Datastore directory.")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False),
               help="JSONL: input_ids (or inputs_embeds: a .pt/.npy file, with prompt_speech), or text + speaker for "
                    "an echospec TTS checkpoint; speaker and reference_tokens optional.")
-@click.option("--speech-offset", type=int, help="Model id of speech id 0 (as for build; default: the store's).")
-@click.option("--vocab-size", type=int, help="Number of speech ids (as for build; default: the store's).")
-@click.option("--stop-id", "stop_ids", multiple=True, type=int,
-              help="Model id that ends speech (repeatable; default: the store's, else the model's eos).")
-@click.option("--token-rate", type=click.FloatRange(min=0, min_open=True),
-              help="Speech tokens per second of audio, for the LM real-time factor [the checkpoint's, else 25].")
+@click.option("--speech-offset", type=int, show_default="the store's", help="Model id of speech id 0 (as for build).")
+@click.option("--vocab-size", type=int, show_default="the store's", help="Number of speech ids (as for build).")
+@click.option("--stop-id", "stop_ids", multiple=True, type=int, show_default="the store's, else the model's eos",
+              help="Model id that ends speech (repeatable).")
+@click.option("--token-rate", type=click.FloatRange(min=0, min_open=True), show_default="the checkpoint's, else 25",
+              help="Speech tokens per second of audio, for the LM real-time factor.")
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), help="tokenizer.npz for log-mel distortion.")
-@click.option("--policy", "policies", multiple=True, type=click.Choice(POLICIES), help="Policies (default: all).")
+@click.option("--policy", "policies", multiple=True, type=click.Choice(POLICIES), show_default="all",
+              help="Policy to benchmark (repeatable).")
 @click.option("--sampler", default="ras", show_default=True,
               help="What the sampling policies and their baseline sample with: a model's own rule by preset name "
                    "(ras, cosyvoice, cosyvoice-vllm, llasa, orpheus, spark-tts, outetts; "
                    "echospec.decoder.presets.SAMPLERS).")
 @click.option("--stores", default="speaker,general", show_default=True, help="Which stores: speaker, general.")
-@click.option("--nodes", default="auto", show_default=True,
-              help="Node cap: 'auto' (the fastest cap measured, 0 = plain steps) or an integer to pin it.")
-@click.option("--depth", default=8, show_default=True, type=click.IntRange(1, 64))
+@click.option("--max-nodes", "--nodes", "max_nodes", cls=OldSpellings, default="auto", show_default=True,
+              help="Most tree nodes a step verifies: 'auto' (the fastest cap measured, 0 = plain steps) or an "
+                   "integer to pin it.")
+@click.option("--max-depth", "--depth", "max_depth", cls=OldSpellings, default=8, show_default=True,
+              type=click.IntRange(1, 64), help="Deepest path of a proposed tree, in tokens.")
 @click.option("--sweep-nodes", default="", help="Node budgets to sweep, e.g. 8,32,64.")
-@click.option("--sweep-depths", default="", help="Depths to sweep, e.g. 4,12.")
+@click.option("--sweep-depths", default="", show_default="--max-depth", help="Depths to sweep, e.g. 4,12.")
 @click.option("--sweep-policy", "sweep_policies", multiple=True, type=click.Choice(POLICIES),
-              help="Policies the sweeps run (default: exact-sampling if benchmarked, else the first policy).")
+              show_default="exact-sampling if benchmarked, else the first policy",
+              help="Policy the sweeps run (repeatable).")
 @limit_option()
 @click.option("--rounds", default=1, show_default=True, type=click.IntRange(1),
               help="Decode every prompt this many times (a fresh seed each): more utterances, narrower intervals.")
-@click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
+@click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1),
+              help="Longest utterance, in speech tokens.")
 @threads_option
-@click.option("--seed", default=0, show_default=True)
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
-              help="Precision every system runs in (log-likelihoods are scored in float32).")
-@click.option("--device", default="cpu", show_default=True, help="Where the model runs: cpu, cuda, cuda:1, ...")
-@click.option("--tau", type=click.IntRange(1), help="Filtered: top-tau (default: the paper's 512/6561 of the vocabulary).")
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Seed of the first utterance; each decodes with this plus its index.")
+@dtype_option(help="Precision every system runs in (log-likelihoods are scored in float32).")
+@device_option()
+@click.option("--tau", type=click.IntRange(1), show_default="512/6561 of the vocabulary, the paper's share",
+              help="Filtered: top-tau.")
 @click.option("--beta", default=0.2, show_default=True, type=click.FloatRange(0, 1), help="Tolerance's beta.")
 @click.option("--similarity", default=0.3, show_default=True, type=click.FloatRange(-1, 1),
               help="SimilarityGroups' cosine threshold.")
 @out_option("runs/bench")
+@full_option
 @needs_extra("bench")
 @fail_cleanly
 def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_ids, token_rate, tokenizer, policies,
-                  sampler, stores, nodes, depth, sweep_nodes, sweep_depths, sweep_policies, limit, rounds, max_new_tokens,
-                  threads, seed, dtype, device, tau, beta, similarity, out_dir):
+                  sampler, stores, max_nodes, max_depth, sweep_nodes, sweep_depths, sweep_policies, limit, rounds,
+                  max_new_tokens, threads, seed, dtype, device, tau, beta, similarity, out_dir, full):
     """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT: an echospec TTS
     checkpoint or any Hugging Face causal LM folder (a model with its own speech head: the Python API,
     echospec.tools.bench.bench(..., head=...)).
@@ -75,33 +86,34 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
     stores = tuple(s.strip() for s in stores.split(",") if s.strip())
     if not stores or set(stores) - {"speaker", "general"}:
         raise click.BadParameter("use speaker and/or general", param_hint="--stores")
-    if nodes != "auto" and not nodes.isdigit():
-        raise click.BadParameter(f"{nodes!r}: a non-negative integer (0: no tree) or 'auto'", param_hint="--nodes")
+    if max_nodes != "auto" and not max_nodes.isdigit():
+        raise click.BadParameter(f"{max_nodes!r}: a non-negative integer (0: no tree) or 'auto'",
+                                 param_hint="--max-nodes")
     report = bench(checkpoint, store, prompts, speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
                    token_rate=token_rate, tokenizer=tokenizer, policies=policies or POLICIES, sampler=sampler,
                    stores=stores,
-                   max_nodes=nodes if nodes == "auto" else int(nodes), max_depth=depth,
-                   sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (depth,),
+                   max_nodes=max_nodes if max_nodes == "auto" else int(max_nodes), max_depth=max_depth,
+                   sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (max_depth,),
                    sweep_policies=sweep_policies, limit=limit, rounds=rounds,
                    max_new_tokens=max_new_tokens, threads=threads, seed=seed, tau=tau, beta=beta,
                    similarity=similarity, device=device, dtype=dtype, out_dir=out_dir)
-    click.echo(format_table(report))
-    click.echo(f"\nWrote {out_dir}/bench.json, bench.md and bench.png")
+    click.echo(format_table(report, full=full))
+    click.echo(f"\nWrote {out_dir}/bench.json, bench.md (the full table) and bench.png")
 
 
 @click.command("demo")
 @out_option("runs/demo")
 @limit_option(12, help="Held-out sentences to synthesize.")
 @threads_option
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(DTYPES),
-              help="bfloat16 where the CPU computes it natively (AVX512-BF16, AMX); else it is emulated, slowly.")
+@dtype_option(help="bfloat16 where the CPU computes it natively (AVX512-BF16, AMX); else it is emulated, slowly.")
+@full_option
 @needs_extra("bench")
 @fail_cleanly
-def demo_command(out_dir, limit, threads, dtype):
+def demo_command(out_dir, limit, threads, dtype, full):
     """The embedded default: build stores from the shipped sample, query, and benchmark every policy."""
     from ..bench import demo
 
-    demo(out_dir=out_dir, limit=limit, threads=threads, dtype=dtype, echo=click.echo)
+    demo(out_dir=out_dir, limit=limit, threads=threads, dtype=dtype, full=full, echo=click.echo)
 
 
 COMMANDS = (bench_command, demo_command)

@@ -12,12 +12,17 @@ from ..commands import fail_cleanly, needs_extra, threads_option
 
 @click.command("make-corpus")
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--speaker", "speakers", multiple=True, help="engine:voice, e.g. espeak-ng:en-us+m3 or flite:slt (repeatable; default: 10 voices).")
-@click.option("--text-file", "text_files", multiple=True, type=click.Path(exists=True, dir_okay=False), help="Fortune-format or plain text (repeatable; default: Debian's fortunes files).")
-@click.option("--utterances-per-speaker", default=400, show_default=True, type=click.IntRange(min=1))
-@click.option("--prompts", "n_prompts", default=120, show_default=True, type=click.IntRange(min=0), help="Held-out utterances for prompts.jsonl (≥ 100 resolve a 5% quality difference).")
+@click.option("--speaker", "speakers", multiple=True, show_default="10 voices",
+              help="engine:voice, e.g. espeak-ng:en-us+m3 or flite:slt (repeatable).")
+@click.option("--text-file", "text_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              show_default="Debian's fortunes files", help="Fortune-format or plain text (repeatable).")
+@click.option("--utterances-per-speaker", default=400, show_default=True, type=click.IntRange(min=1),
+              help="Utterances synthesized with each voice.")
+@click.option("--prompts", "n_prompts", default=120, show_default=True, type=click.IntRange(min=0),
+              help="Held-out utterances for prompts.jsonl (≥ 100 resolve a 5% quality difference).")
 @click.option("--vocab-size", default=512, show_default=True, type=click.IntRange(min=2), help="k-means speech tokens.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Seed of the corpus plan (who says what, at which rate and pitch) and of the k-means tokens.")
 @click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1), help="Engine processes run at once.")
 @fail_cleanly
 def make_corpus(out_dir, speakers, text_files, utterances_per_speaker, n_prompts, vocab_size, seed, jobs) -> None:
@@ -41,15 +46,23 @@ def make_corpus(out_dir, speakers, text_files, utterances_per_speaker, n_prompts
 @click.command("train-model")
 @click.argument("corpus_dir", type=click.Path(exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--steps", default=1600, show_default=True, type=click.IntRange(min=1))
-@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1))
-@click.option("--lr", default=2e-3, show_default=True, type=float)
-@click.option("--hidden", default=192, show_default=True, type=click.IntRange(min=8))
-@click.option("--layers", default=4, show_default=True, type=click.IntRange(min=1))
-@click.option("--heads", default=6, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-minutes", default=20.0, show_default=True, type=float, help="Wall budget: training stops when it is spent; the learning rate anneals by steps or budget, whichever runs out first.")
+@click.option("--steps", default=1600, show_default=True, type=click.IntRange(min=1),
+              help="Optimizer steps (unless --max-minutes runs out first).")
+@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Utterances per optimizer step.")
+@click.option("--lr", default=2e-3, show_default=True, type=float,
+              help="Peak learning rate (AdamW): warmed up over 100 steps, then annealed to a tenth.")
+@click.option("--hidden", default=192, show_default=True, type=click.IntRange(min=8),
+              help="Hidden size of the Llama model.")
+@click.option("--layers", default=4, show_default=True, type=click.IntRange(min=1), help="Transformer layers.")
+@click.option("--heads", default=6, show_default=True, type=click.IntRange(min=1),
+              help="Attention heads (dividing --hidden; an even number: 2 key-value heads).")
+@click.option("--max-minutes", default=20.0, show_default=True, type=float,
+              help="Wall budget: training stops when it is spent; the learning rate anneals by steps or budget, "
+                   "whichever runs out first.")
 @threads_option
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Seed of the initial weights and the order of the batches.")
 @needs_extra("decoder")
 @fail_cleanly
 def train_model(corpus_dir, out_dir, steps, batch_size, lr, hidden, layers, heads, max_minutes, threads, seed) -> None:

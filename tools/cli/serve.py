@@ -11,10 +11,9 @@ from ..commands import fail_cleanly, needs_extra
 @click.argument("stores", nargs=-1, required=True, metavar="STORE...")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Loopback by default; anything else exposes proposals to the network.")
-@click.option("--port", default=8750, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False),
-              help="File holding the write (enrollment) API key; default: $ECHOSPEC_API_KEY. Without one, "
-                   "enrollment is disabled.")
+@click.option("--port", default=8750, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
+@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False), show_default="$ECHOSPEC_API_KEY",
+              help="File holding the write (enrollment) API key. Without one, enrollment is disabled.")
 @click.option("--max-body-mb", default=8.0, show_default=True, type=click.FloatRange(min=0.001),
               help="Largest request body.")
 @click.option("--max-batch", default=256, show_default=True, type=click.IntRange(min=1),
@@ -26,7 +25,7 @@ from ..commands import fail_cleanly, needs_extra
 @click.option("--reload-interval", default=1.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds between checks for writes made by other processes (0: never check).")
 @click.option("--log-level", default="warning", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
+              type=click.Choice(["debug", "info", "warning", "error"]), help="The least severe log lines printed.")
 @click.option("--docs", is_flag=True, help="Also serve the API's description: /docs, /redoc, /openapi.json.")
 @click.option("--max-connections", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Connections held at once; past it the idle ones are closed first, and only when all are busy "

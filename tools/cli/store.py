@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ...datastore import DatastoreError, open_datastore
+from ...datastore import N_MAX, N_MIN, DatastoreError, open_datastore
 from ...datastore import build as build_datastore
 from ...datastore import enroll as enroll_speaker
 from ..commands import fail_cleanly
@@ -25,28 +25,29 @@ from ..commands import fail_cleanly
 @click.option("--per-speaker/--no-per-speaker", default=True, show_default=True,
               help="Also build one exact store per speaker (every utterance then needs a speaker).")
 @click.option("--faiss/--no-faiss", default=True, show_default=True, help="Build the FAISS store.")
-@click.option("--embeddings", type=click.Path(path_type=Path),
-              help="Token embedding table for the FAISS store (.npy or .safetensors); default: from the corpus.")
-@click.option("--faiss-dim", default=None, type=click.IntRange(1, 256),
-              help="Dimensions per token in FAISS context vectors [16].")
-@click.option("--faiss-max-vectors", default=None, type=click.IntRange(1),
-              help="Most contexts the FAISS store indexes (evenly strided) [200000].")
+@click.option("--embeddings", type=click.Path(path_type=Path), show_default="from the corpus",
+              help="Token embedding table for the FAISS store (.npy or .safetensors).")
+@click.option("--faiss-dim", default=None, type=click.IntRange(1, 256), show_default="16",
+              help="Dimensions per token in FAISS context vectors.")
+@click.option("--faiss-max-vectors", default=None, type=click.IntRange(1), show_default="200000",
+              help="Most contexts the FAISS store indexes (evenly strided).")
 @click.option("--speech-offset", default=0, show_default=True, help="Raw id of local speech id 0 (LLaSA: 128264).")
-@click.option("--vocab-size", type=int, help="Number of speech ids (CosyVoice 2: 6561); default: largest id + 1.")
+@click.option("--vocab-size", type=int, show_default="the largest id + 1",
+              help="Number of speech ids (CosyVoice 2: 6561).")
 @click.option("--stop-id", "stop_ids", multiple=True, type=int,
               help="Raw id that ends speech (repeatable); never stored (CosyVoice 2: 6561 6562 6563).")
 @click.option("--drop-id", "drop_ids", multiple=True, type=int,
               help="Raw marker id removed wherever it occurs (repeatable; LLaSA: 128260).")
 @click.option("--codebooks", default=1, show_default=True, type=click.IntRange(1),
               help="Interleaved codebooks in the speech ids, cycling in order (Orpheus: 7).")
-@click.option("--n-min", default=None, type=int, help="Shortest context suffix matched [1].")
-@click.option("--n-max", default=None, type=int, help="Longest context suffix matched [8].")
+@click.option("--n-min", default=N_MIN, show_default=True, type=int, help="Shortest context suffix matched.")
+@click.option("--n-max", default=N_MAX, show_default=True, type=int, help="Longest context suffix matched.")
 @click.option("--shards", default=1, show_default=True, type=click.IntRange(1, 65536),
               help="Split the general store into this many shards (each holds < 2^31 tokens).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="auto", default=None, metavar="[auto|ADDRESS]",
-              help="Run the build's tasks on Ray: the running cluster (auto, the default) or ADDRESS.")
-@click.option("--workers", type=click.IntRange(1), help="Local worker processes without --ray [one per shard, "
-              "up to the cores].")
+              help="Run the build's tasks on Ray: the running cluster (--ray alone, or auto) or ADDRESS.")
+@click.option("--workers", type=click.IntRange(1), show_default="one per shard, up to the cores",
+              help="Local worker processes without --ray.")
 @click.option("--force", is_flag=True, help="Replace STORE if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @fail_cleanly
@@ -54,13 +55,11 @@ def build(corpus, store, per_speaker, faiss, embeddings, faiss_dim, faiss_max_ve
           stop_ids, drop_ids, codebooks, n_min, n_max, shards, ray_address, workers, force, quiet):
     """Build datastore STORE from CORPUS files or globs (.jsonl, a .jsonl manifest of .npy files, .npz,
     .parquet)."""
-    from ...datastore import N_MAX, N_MIN
     started = time.perf_counter()
     ds = build_datastore(list(corpus), store, per_speaker=per_speaker, faiss=faiss, embeddings=embeddings,
                          speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
-                         drop_ids=drop_ids, codebooks=codebooks, n_min=N_MIN if n_min is None else n_min,
-                         n_max=N_MAX if n_max is None else n_max, shards=shards, ray=ray_address,
-                         workers=workers, force=force, progress=not quiet,
+                         drop_ids=drop_ids, codebooks=codebooks, n_min=n_min, n_max=n_max, shards=shards,
+                         ray=ray_address, workers=workers, force=force, progress=not quiet,
                          faiss_options={k: v for k, v in (("dim", faiss_dim), ("max_vectors", faiss_max_vectors))
                                         if v is not None})
     info = ds.info()
@@ -137,8 +136,10 @@ HELP = """type token ids (spaces or commas) to see the proposal for that context
 @click.argument("store", type=click.Path(path_type=Path))
 @click.option("--context", help="One-shot: propose for these ids (e.g. '12 7 7 301') and exit.")
 @click.option("--speaker", help="Use this speaker's store too.")
-@click.option("--max-nodes", default=16, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-depth", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-nodes", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Most nodes of a proposed tree.")
+@click.option("--max-depth", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Deepest path of a proposed tree, in tokens.")
 @click.option("--raw-ids", is_flag=True, help="Ids are the model's (minus the store's speech offset).")
 @click.option("--no-faiss", is_flag=True, help="Exact stores and prompt lookup only.")
 @click.option("--no-prompt", is_flag=True, help="No prompt lookup on the context itself.")
