@@ -54,6 +54,24 @@ def test_bench_runs_any_hugging_face_checkpoint(llasa_checkpoint):
     assert report["setup"]["speech"] == {"offset": 128264, "size": 65536, "stop_ids": [128261], "codebooks": 1}
 
 
+def test_bench_samples_with_a_presets_sampler_and_says_which(llasa_checkpoint):
+    folder, store, _, prompts = llasa_checkpoint
+    (folder / "ids1.jsonl").write_text(json.dumps({"id": 0, "input_ids": prompts[0]}) + "\n")
+    out = folder / "out-sampler"
+    command = ["bench", str(folder / "ckpt"), "--store", str(store), "--prompts", str(folder / "ids1.jsonl"),
+               "--policy", "exact-sampling", "--stores", "general", "--max-new-tokens", "30", "--out", str(out)]
+    result = CliRunner().invoke(main, [*command, "--sampler", "llasa"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    assert report["setup"]["sampler"] == {"preset": "llasa", "rule": repr(presets.LLASA.sampler)}
+    assert report["systems"]["exact-sampling/general"]["identical_to_baseline"] == 1.0  # against ar-sampling
+    result = CliRunner().invoke(main, [*command, "--sampler", "nope"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "no preset sampler 'nope'; choose one of ras, cosyvoice" in result.output
+    help_text = " ".join(CliRunner().invoke(main, ["bench", "--help"]).output.split())
+    assert all(name in help_text for name in presets.SAMPLERS)  # the help lists every preset's sampler
+
+
 def test_bench_takes_embeddings_prompts_from_files(llasa_checkpoint):
     folder, store, replica, prompts = llasa_checkpoint
     lines = []
@@ -97,3 +115,4 @@ def test_bench_python_api_with_a_head_and_embeddings(tmp_path):
     assert set(systems) == {"autoregressive", "ar-sampling", "exact-greedy/general", "exact-sampling/general"}
     lossless(systems, "exact-greedy/general", "exact-sampling/general")
     assert all(np.isfinite(s["log_likelihood"]["mean"]) for s in systems.values())
+    assert report["setup"]["sampler"] == {"preset": None, "rule": repr(preset.sampler)}
