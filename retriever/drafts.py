@@ -229,7 +229,6 @@ class ChainDrafter:
         """A chain of model ids per history (1-D model ids: prompt, then output so far); [] for a row whose
         last token is not speech, whose tree is empty or worth nothing, or that the step's time ran out
         on. Raises RetrieverUnavailable when a service does not answer in time."""
-        deadline = time.perf_counter() + self.step_timeout
         rows, contexts, speakers = [], [], []
         for i, history in enumerate(histories):
             history = np.asarray(history, np.int64)
@@ -239,6 +238,8 @@ class ChainDrafter:
             contexts.append(local_speech(history[-self.context:], self.offset, self.vocab_size))
             speakers.append(self.speaker if self.prompts is None else self.prompts.speaker(history))
         drafts: list[list[int]] = [[] for _ in histories]
+        # the clock starts after the speaker choices: a new request's is made once, and must not starve its step
+        deadline = time.perf_counter() + self.step_timeout
         for i, tree in zip(rows, self._propose_rows(contexts, speakers, self.k, deadline)):
             if tree is not None and len(tree):
                 chain = best_chain(tree.parents, tree.probs, self.token_cost)

