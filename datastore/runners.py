@@ -226,7 +226,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise DatastoreError("building on Ray needs the optional 'ray' extra: pip install 'echospec[ray]'") \
+        raise DatastoreError("building on Ray needs the optional 'ray' extra: pip install -e '.[ray]' in a checkout") \
             from None
     return ray
 

@@ -295,7 +295,7 @@ def test_without_the_ray_extra_the_message_names_it(tmp_path):
             f"try:\n    build({str(corpus)!r}, {str(tmp_path / 's')!r}, ray='auto', progress=False)\n"
             "except DatastoreError as e:\n    print(e)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert "needs the optional 'ray' extra: pip install 'echospec[ray]'" in done.stdout, done.stderr
+    assert "needs the optional 'ray' extra: pip install -e '.[ray]' in a checkout" in done.stdout, done.stderr
 
 
 # --- killed and resumed builds ---------------------------------------------------------------------------

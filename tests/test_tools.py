@@ -60,7 +60,7 @@ def test_a_command_names_the_extra_it_needs(args, missing, extra, tmp_path):
     assert done.returncode == 1, done.stderr
     command = args[0]
     assert done.stderr.strip() == (f"Error: echospec {command} needs the {extra} extra ({missing[0]} is not "
-                                   f"installed): pip install 'echospec[{extra}]'")
+                                   f"installed): pip install -e '.[{extra}]' in a checkout")
     assert list(tmp_path.iterdir()) == []  # refused before doing anything
 
 

@@ -59,7 +59,7 @@ def needs_extra(extra: str):
             if missing is not None:
                 name = click.get_current_context().command_path
                 raise click.ClickException(f"{name} needs the {extra} extra ({missing} is not installed): "
-                                           f"pip install 'echospec[{extra}]'")
+                                           f"pip install -e '.[{extra}]' in a checkout")
             return command(*args, **kwargs)
         return wrapper
     return decorate
