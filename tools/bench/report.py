@@ -280,14 +280,17 @@ def plot_speed_against_quality(ax, systems: dict) -> None:
     """The sampling systems' speed-up over autoregressive sampling against the change of the target's mean
     log-likelihood, each with its 95% interval; a lossless system sits on the zero line."""
     palette = pyplot().get_cmap("tab10")
-    for i, (name, s) in enumerate(systems.items()):
+    policies = list(dict.fromkeys(name.split("/")[0] for name in systems))  # one colour a policy, one marker a store
+    markers = dict(zip(dict.fromkeys(name.partition("/")[2] for name in systems), "osD^v<>"))
+    for name, s in systems.items():
         change = s.get("relative_change", {}).get("log_likelihood")
         if change is None:
             continue
         mean, (c_low, c_high) = 100 * change["mean"], [100 * c for c in change["ci95"]]
         low, high = s["speedup_ci95"]
         ax.errorbar(s["speedup"], mean, xerr=[[s["speedup"] - low], [high - s["speedup"]]],
-                    yerr=[[mean - c_low], [c_high - mean]], fmt="o", capsize=3, color=palette(i % 10), label=name)
+                    yerr=[[mean - c_low], [c_high - mean]], fmt=markers.get(name.partition("/")[2], "o"), capsize=3,
+                    color=palette(policies.index(name.split("/")[0]) % 10), label=name)
     ax.axhline(0.0, color="black", linewidth=1)
     ax.axvline(1.0, color="black", linewidth=1)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
