@@ -41,16 +41,18 @@ def test_a_damaged_speaker_store_is_refused_and_the_others_answer(tmp_path):
         assert "Traceback" not in server.output()
 
 
+def spoil_header(path):
+    data = bytearray(path.read_bytes())
+    data[10:20] = b"\xff" * 10  # same size, the header's dict unreadable
+    path.write_bytes(bytes(data))
+
+
 def damage(store, how):
     """Damage `store` as the issue found: a missing shard file, a bad .npy header, a damaged catalog."""
-    ds = open_datastore(store)
     if how == "missing general file":
         (store / "general" / "sa.npy").unlink()
     elif how == "bad npy header":
-        path = ds.speaker_store(ds.speakers[0]).directory / "tokens.npy"
-        data = bytearray(path.read_bytes())
-        data[10:20] = b"\xff" * 10  # same size, the header's dict unreadable
-        path.write_bytes(bytes(data))
+        spoil_header(store / "general" / "tokens.npy")
     else:
         import sqlite3
 
@@ -98,3 +100,20 @@ def test_a_store_path_that_is_no_datastore_stops_the_start(tmp_path):
     store, _ = make_store(tmp_path / "built", n_tokens=3000, n_speakers=1)
     with pytest.raises(RuntimeError, match=r"server exited with 1:\nError: .*nowhere: no such datastore directory"):
         Server(f"typo={tmp_path / 'nowhere'}", f"good={store}").start()
+
+
+def test_a_speaker_store_damaged_at_start_up_is_refused_alone(tmp_path):
+    """A bad .npy header in one speaker's store: the datastore is served, that speaker's proposals are a 503."""
+    store, corpus = make_store(tmp_path / "built", n_tokens=5000, n_speakers=2)
+    store = copy_store(store, tmp_path / "voices")
+    damaged, healthy = sorted({u["speaker"] for u in corpus})
+    spoil_header(open_datastore(store).speaker_store(damaged).directory / "sa.npy")
+    context = corpus[0]["tokens"][:20]
+    with Server(store) as server:
+        assert json.loads(request(server.url, "GET", "/healthz")[2])["status"] == "ok"
+        status, answer = post_json(server.url, "/v1/stores/voices/propose", {"context": context, "speaker": damaged})
+        assert (status, answer["error"]["code"]) == (503, "store_damaged")
+        for speaker in (None, healthy):
+            status, answer = post_json(server.url, "/v1/stores/voices/propose", {"context": context, "speaker": speaker})
+            assert status == 200
+        assert f"speaker {damaged}'s store is damaged" in server.output() and "Traceback" not in server.output()

@@ -3,6 +3,7 @@ that picks up writes made by other processes."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ from ...datastore.catalog import CATALOG
 from ...datastore.names import check_name
 from ..retriever import Retriever
 from .requests import ServiceError
+
+log = logging.getLogger("echospec.service")
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,10 @@ class Snapshot:
         # Map every speaker store now: an enrollment deletes a replaced store's directory once its
         # catalog commit is done, and this snapshot may still answer for that speaker until the swap.
         for speaker in ds.speakers:
-            ds.speaker_store(speaker)
+            try:
+                ds.speaker_store(speaker)
+            except DatastoreError as e:  # that speaker's proposals are a 503 (mapping it fails again); not the rest
+                log.error("%s: speaker %s's store is damaged; serving the others: %s", path, speaker, e)
         retriever = Retriever(ds, **retriever_options)
         retriever.propose(np.zeros(1, np.int64))  # compile/load the kernels before the first request
         return cls(retriever, _jsonable(ds.info()), int(retriever.vocab_size), frozenset(ds.speakers),
