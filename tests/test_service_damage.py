@@ -116,4 +116,12 @@ def test_a_speaker_store_damaged_at_start_up_is_refused_alone(tmp_path):
         for speaker in (None, healthy):
             status, answer = post_json(server.url, "/v1/stores/voices/propose", {"context": context, "speaker": speaker})
             assert status == 200
+        enroll = f"/v1/stores/voices/speakers/{damaged}"
+        utterances = [{"id": "new", "tokens": context}]
+        status, answer = post_json(server.url, enroll, {"utterances": utterances}, api_key=API_KEY)
+        assert (status, answer["error"]["code"]) == (503, "store_damaged")  # appending reads the damaged store
+        status, answer = post_json(server.url, enroll, {"utterances": utterances, "replace": True}, api_key=API_KEY)
+        assert status == 200  # replacing it does not, and repairs it
+        status, answer = post_json(server.url, "/v1/stores/voices/propose", {"context": context, "speaker": damaged})
+        assert status == 200
         assert f"speaker {damaged}'s store is damaged" in server.output() and "Traceback" not in server.output()

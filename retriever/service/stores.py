@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...datastore import DatastoreError, Enrollment, EnrollmentConflict, enroll, open_datastore
+from ...datastore import DamagedStoreError, DatastoreError, Enrollment, EnrollmentConflict, enroll, open_datastore
 from ...datastore.catalog import CATALOG
 from ...datastore.names import check_name
 from ..retriever import Retriever
@@ -92,6 +92,8 @@ class StoreHandle:
                 done = enroll(self.path, speaker, utterances, replace=replace)
             except EnrollmentConflict as e:
                 raise ServiceError(409, "utterance_conflict", str(e)) from None
+            except DamagedStoreError as e:  # appending needs the old store's data: replacing the speaker does not
+                raise ServiceError(503, "store_damaged", str(e)) from None
             except DatastoreError as e:  # CorpusError included; the service's checks make this rare
                 raise ServiceError(422, "enroll_rejected", str(e)) from None
             if done.added or replace:
