@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from ..retriever.tree import MAX_DEPTH
+from .budget import NodeBudget
 from .errors import DecoderInputError
 from .policies import ExactGreedy, ExactSampling, Policy
 from .sampling import Sampler
@@ -41,11 +43,12 @@ def generate(model, retriever=None, policy: Policy | None = None, *, input_ids=N
     the whole vocabulary, stops = the model's eos), `speech_embedding` (a table or callable embedding
     generated tokens, when they have their own table), `prompt_speech` (store-local ids of the prompt's
     speech: the retriever's context when the prompt is embeddings), `speaker`, `max_new_tokens`,
-    `min_new_tokens`, `min_length_stop_ids`, `max_nodes` (per-step node cap, or "auto": the fastest cap
-    measured), `max_depth`, `token_rate`, `retriever_timeout`. `policy` decides acceptance (default
-    ExactGreedy); `seed` reseeds a sampling policy. With `retriever=None` this is plain autoregressive
-    decoding with the same policy. `streamer` (optional) gets each step's new model ids via
-    `streamer.put(list_of_ids)`; `stream` yields speech tokens instead.
+    `min_new_tokens`, `min_length_stop_ids`, `max_nodes` (the most tree nodes a step verifies; default
+    `budget.NODES`) or `budget` (a NodeBudget, e.g. `AdaptiveBudget(rates)`), `max_depth`, `token_rate`,
+    `retriever_timeout`. `policy` decides acceptance (default ExactGreedy); `seed` reseeds a sampling policy.
+    At the default budget the tokens depend only on the model, the store, the inputs, the policy and the seed.
+    With `retriever=None` this is plain autoregressive decoding with the same policy. `streamer` (optional) gets
+    each step's new model ids via `streamer.put(list_of_ids)`; `stream` yields speech tokens instead.
     """
     session = _session(model, retriever, policy, seed, options)
     for emitted in session.run(input_ids=input_ids, inputs_embeds=inputs_embeds):
@@ -81,9 +84,9 @@ def policy_from_generation_config(config) -> Policy:
 
 def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, *,
                 retriever=None, policy: Policy | None = None, speech: SpeechVocab | None = None,
-                speech_embedding=None, speaker=None, prompt_speech=None, max_nodes: int | str = "auto",
-                max_depth: int = 8, token_rate: float = 25.0, retriever_timeout: float = 0.1,
-                seed: int | None = None, **model_kwargs) -> torch.LongTensor:
+                speech_embedding=None, speaker=None, prompt_speech=None, max_nodes: int | None = None,
+                budget: NodeBudget | None = None, max_depth: int = MAX_DEPTH, token_rate: float = 25.0,
+                retriever_timeout: float = 0.1, seed: int | None = None, **model_kwargs) -> torch.LongTensor:
     """Hugging Face's `custom_generate` entry point: `model.generate(ids, custom_generate=hf_generate, retriever=r)`.
 
     Lengths, stop ids and (when `policy` is not given) greedy-versus-sampling settings come from the
@@ -105,6 +108,6 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
         policy=policy or policy_from_generation_config(generation_config),
         speech=speech or SpeechVocab(0, vocab_size, stops), speech_embedding=speech_embedding, speaker=speaker,
         prompt_speech=prompt_speech, max_new_tokens=max_new, min_new_tokens=min_new, max_nodes=max_nodes,
-        max_depth=max_depth, token_rate=token_rate, retriever_timeout=retriever_timeout, seed=seed)
+        budget=budget, max_depth=max_depth, token_rate=token_rate, retriever_timeout=retriever_timeout, seed=seed)
     new = torch.tensor([result.tokens], dtype=torch.long, device=input_ids.device)
     return torch.cat([input_ids, new], dim=1)

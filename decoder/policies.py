@@ -30,11 +30,23 @@ class VerifiedTree:
 
 
 class Policy:
-    """One acceptance rule. Subclasses implement `choose`; `walk` is shared."""
+    """One acceptance rule. Subclasses implement `choose` and declare `exact`; `walk` is shared.
 
-    exact = True
+    `exact = True`: the policy emits exactly the tokens autoregressive decoding would (for a sampler, with
+    the same draws), whatever the tree. `exact = False`: relaxed, its tokens depend on the tree. No default:
+    a policy that does not say cannot be taken for lossless by mistake. Constructors take the sampler (if
+    any) as their one positional argument and every other option by keyword.
+    """
 
-    def __init__(self, seed: int | torch.Generator | None = None):
+    exact: bool
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not isinstance(getattr(cls, "exact", None), bool):
+            raise TypeError(f"{cls.__name__} must declare `exact = True` (it emits exactly what autoregressive "
+                            f"decoding would, whatever the tree) or `exact = False` (relaxed)")
+
+    def __init__(self, *, seed: int | torch.Generator | None = None):
         self.generator = make_generator(seed)
 
     def reseed(self, seed: int | torch.Generator) -> None:
@@ -67,8 +79,20 @@ def _match(child_tokens: Sequence[int], token: int) -> int | None:
     return child_tokens.index(token) if token in child_tokens else None
 
 
+def _sampler(policy: str, sampler, default):
+    """The sampler a policy was given (its one positional argument), or `default`."""
+    if sampler is None:
+        return default
+    if not callable(getattr(sampler, "sample", None)):
+        raise TypeError(f"{policy}'s positional argument is its sampler (Sampler() or RAS()), got {sampler!r}; "
+                        f"pass its other options by keyword")
+    return sampler
+
+
 class ExactGreedy(Policy):
     """Lossless greedy: the output is token for token `model.generate(do_sample=False)`'s."""
+
+    exact = True
 
     def choose(self, logits, child_tokens, state):
         token = int(torch.argmax(mask_blocked(logits, state)))
@@ -82,9 +106,11 @@ class ExactSampling(Policy):
     the output is distributed exactly as autoregressive sampling with `sampler` (Sampler or RAS).
     """
 
-    def __init__(self, sampler: Sampler | RAS | None = None, seed: int | torch.Generator | None = None):
-        super().__init__(seed)
-        self.sampler = sampler or Sampler()
+    exact = True
+
+    def __init__(self, sampler: Sampler | RAS | None = None, *, seed: int | torch.Generator | None = None):
+        super().__init__(seed=seed)
+        self.sampler = _sampler("ExactSampling", sampler, Sampler())
 
     def choose(self, logits, child_tokens, state):
         token = self.sampler.sample(logits, state, self.generator)
@@ -103,13 +129,13 @@ class Filtered(Policy):
 
     exact = False
 
-    def __init__(self, tau: int = 512, sampler: Sampler | RAS | None = None, win_size: int = 10,
+    def __init__(self, sampler: Sampler | RAS | None = None, *, tau: int = 512, win_size: int = 10,
                  tau_r: float = 0.1, seed: int | torch.Generator | None = None):
-        super().__init__(seed)
+        super().__init__(seed=seed)
         if tau < 1:
             raise ValueError(f"Filtered needs tau >= 1, got {tau}")
         self.tau, self.win_size, self.tau_r = tau, win_size, tau_r
-        self.sampler = sampler or RAS()
+        self.sampler = _sampler("Filtered", sampler, RAS())
 
     def _passes(self, scores: torch.Tensor, token: int, state: NodeState) -> bool:
         rank = int((scores > scores[token]).sum())
@@ -138,13 +164,13 @@ class Tolerance(Policy):
 
     exact = False
 
-    def __init__(self, beta: float = 0.1, sampler: Sampler | RAS | None = None,
+    def __init__(self, sampler: Sampler | RAS | None = None, *, beta: float = 0.1,
                  seed: int | torch.Generator | None = None):
-        super().__init__(seed)
+        super().__init__(seed=seed)
         if beta < 0:
             raise ValueError(f"Tolerance needs beta >= 0, got {beta}")
         self.beta = beta
-        self.sampler = sampler or Sampler()
+        self.sampler = _sampler("Tolerance", sampler, Sampler())
 
     def choose(self, logits, child_tokens, state):
         if not child_tokens:  # q itself, drawn as autoregressive sampling draws it, at its cost
@@ -177,11 +203,11 @@ class SimilarityGroups(Policy):
 
     exact = False
 
-    def __init__(self, threshold: float = 0.9, sampler: Sampler | RAS | None = None,
+    def __init__(self, sampler: Sampler | RAS | None = None, *, threshold: float = 0.9,
                  embeddings: torch.Tensor | None = None, seed: int | torch.Generator | None = None):
-        super().__init__(seed)
+        super().__init__(seed=seed)
         self.threshold = threshold
-        self.sampler = sampler or Sampler()
+        self.sampler = _sampler("SimilarityGroups", sampler, Sampler())
         self.embed = None if embeddings is None else (lambda ids: embeddings[ids])
         self._own_embeddings = embeddings is not None
 

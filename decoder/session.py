@@ -19,9 +19,10 @@ import torch
 from transformers import PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from ..retriever.tree import CandidateTree, matched_depth
+from ..retriever.tree import MAX_DEPTH, CandidateTree
 from . import compat
-from .cost import CURVE_SIZES, AutoBudget, CostCurve, FixedBudget, node_cap, prune_order
+from .budget import NODES, FixedBudget, NodeBudget
+from .cost import CURVE_SIZES, CostCurve, prune_order
 from .errors import DecoderInputError, UnsupportedModelError
 from .gqa import copies_grouped_heads, grouped_query_attention
 from .policies import ExactGreedy, Policy, VerifiedTree
@@ -72,7 +73,7 @@ class GenerationStats:
     retriever_errors: int = 0
     retriever_timeouts: int = 0
     token_rate: float = 25.0  # speech tokens per second of audio
-    budget: dict | None = None  # max_nodes="auto": each cap's measured rate when the utterance ended
+    budget: dict | None = None  # an adaptive budget's summary when the utterance ended (its caps' rates)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -104,8 +105,15 @@ class SpeculativeSession:
                                      speech=SpeechVocab(0, 6561, (6561, 6562, 6563)), max_new_tokens=500)
         session.prefill(inputs_embeds=lm_input)
         while not session.finished:
-            new_tokens = session.step()      # or: tree = session.propose(); verified = session.verify(tree);
-                                             #     path, bonus = session.accept(verified); ... session.compact(...)
+            new_tokens = session.step()
+
+    or a loop of your own over the four stages, as `step` runs them:
+
+            tree = session.propose()                     # the retriever's tree, cut to the budget's cap
+            verified = session.verify(tree)              # one forward over the root and the tree's nodes
+            path, bonus = session.accept(verified)       # the policy's walk
+            emitted = session.emit([verified.tokens[i] for i in path] + ([] if bonus is None else [bonus]))
+            session.compact(len(tree), path[: len(emitted) - 1])  # keep the emitted nodes' keys and values
 
     or `for speech_tokens in session.stream(inputs_embeds=lm_input): ...` (tokens as they are accepted).
 
@@ -115,18 +123,19 @@ class SpeculativeSession:
     `speech_embedding` (a table or callable) embeds generated tokens when they have their own table.
     `min_length_stop_ids` are the stop ids masked while fewer than `min_new_tokens` are generated (None:
     all of them, as Hugging Face does; CosyVoice masks only its first, see `presets`).
-    `max_nodes` is "auto" (the default): each utterance runs one node cap (0: no retriever call, 4, 8, ...
-    64), the one measured to give the most tokens per second of wall-clock so far, per model, retriever,
-    policy kind and store kind, or one that might; see `cost.ArmRates`. An int pins the cap. A retriever that
-    raises or takes longer than `retriever_timeout` seconds makes that step autoregressive. `generated` holds
-    the model ids emitted so far.
+    How many tree nodes a step verifies: `max_nodes` (an int: that many, the most probable; 0: plain steps),
+    or `budget`, a `budget.NodeBudget` (`FixedBudget`, or `AdaptiveBudget(rates)`: the cap measured fastest by a
+    `CapRates` you share between sessions); neither: `FixedBudget(NODES)`. A fixed cap keeps the session's
+    tokens a function of its model, store, inputs, policy and seed alone. A retriever that raises, or under a
+    lossless policy takes longer than `retriever_timeout` seconds, makes that step autoregressive. `generated`
+    holds the model ids emitted so far.
     """
 
     def __init__(self, model, retriever=None, policy: Policy | None = None, *, head=None,
                  speech: SpeechVocab | None = None, speech_embedding=None, speaker=None, prompt_speech=None,
                  max_new_tokens: int = 2048, min_new_tokens: int = 0, min_length_stop_ids=None,
-                 max_nodes: int | str = "auto", max_depth: int = 8, token_rate: float = 25.0,
-                 retriever_timeout: float = 0.1):
+                 max_nodes: int | None = None, budget: NodeBudget | None = None, max_depth: int = MAX_DEPTH,
+                 token_rate: float = 25.0, retriever_timeout: float = 0.1):
         check_model(model, head)
         self.model, self.retriever, self.speaker, self.head = model, retriever, speaker, head
         # read once: a model's .device and .dtype walk its parameters, some 10 us each on a CPU, and a step
@@ -147,17 +156,13 @@ class SpeculativeSession:
             raise DecoderInputError(f"min_length_stop_ids {sorted(set(stops) - set(self.speech.stop_ids))} "
                                     f"are not stop ids of {self.speech}")
         self.min_length_stop_ids = stops
-        if max_nodes != "auto" and (not isinstance(max_nodes, int) or max_nodes < 0):
-            raise DecoderInputError(f"max_nodes must be a non-negative int or 'auto', got {max_nodes!r}")
+        self.budget = _budget(max_nodes, budget)
         if max_new_tokens < 1 or min_new_tokens < 0:
             raise DecoderInputError(f"need max_new_tokens >= 1 and min_new_tokens >= 0, "
                                     f"got {max_new_tokens} and {min_new_tokens}")
         self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
-        self.max_nodes, self.max_depth, self.retriever_timeout = max_nodes, max_depth, retriever_timeout
+        self.max_depth, self.retriever_timeout = max_depth, retriever_timeout
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 62
-        count_steps = self.count_steps if self.policy.exact else None  # a lossless policy's tokens are the tree's
-        self.budget = (AutoBudget(model, retriever, type(self.policy), speaker, count_steps)
-                       if max_nodes == "auto" and retriever is not None else FixedBudget(node_cap(max_nodes)))
         self.stats = GenerationStats(token_rate=token_rate)
         table = self._output_table()
         self.policy.bind(None if table is None else (lambda ids: table[ids.to(table.device)]))
@@ -269,8 +274,7 @@ class SpeculativeSession:
             raise UnsupportedModelError("the model's cache has layers other than full-attention DynamicLayer")
         self.cached = self._prompt_length = length
         _, bonus = self.policy.walk(VerifiedTree(logits, [], [[]], self._state_at))
-        emitted = self._emit([bonus])
-        return emitted
+        return self.emit([bonus])
 
     def run(self, input_ids=None, inputs_embeds=None) -> Iterator[list[int]]:
         """Prefill, then step until finished, yielding the model ids each forward emits (never an empty list).
@@ -302,7 +306,7 @@ class SpeculativeSession:
         """Ask the retriever for a tree and cut it to what this step can use and its budget allows (may be empty)."""
         if self.retriever is None or self.finished:
             return CandidateTree.empty()
-        cap = self.budget.nodes(len(self.generated))
+        cap = self.budget.cap(len(self.generated))
         self.stats.node_caps.append(cap)
         depth_cap = self._depth_cap(len(self.generated))
         if depth_cap <= 0 or cap == 0:
@@ -318,7 +322,9 @@ class SpeculativeSession:
         finally:
             elapsed = time.perf_counter() - start
             self.stats.propose_seconds += elapsed
-        if elapsed > self.retriever_timeout:
+        if elapsed > self.retriever_timeout and self.policy.exact:
+            # a late tree is dropped only where that cannot change the tokens: a relaxed policy's depend on
+            # the tree, and then on how loaded the machine was
             self.stats.retriever_timeouts += 1
             return CandidateTree.empty()
         return self._cut(tree, cap, depth_cap)
@@ -335,33 +341,6 @@ class SpeculativeSession:
         self.speech.to_model(tree.tokens)  # raises on ids outside the store's vocabulary
         tree = self._usable(tree, depth_cap)
         return tree if len(tree) <= cap else tree.subtree(prune_order(tree)[:cap])
-
-    def count_steps(self, cap: int, start: int, stop: int) -> int | None:
-        """How many steps under node cap `cap` a lossless policy takes to emit `generated[start:stop]` after
-        `generated[:start]`: its tokens do not depend on the tree, so each such step accepts the longest path of
-        its tree that they continue. None if a retriever call fails or takes over `retriever_timeout`."""
-        speech = np.fromiter((self.speech.is_speech(t) for t in self.generated), np.int64, len(self.generated))
-        # the retriever's context after generated[:i]: the prompt's speech, then the generated speech tokens
-        context_at = len(self.context) - int(speech.sum()) + np.concatenate(([0], np.cumsum(speech)))
-        context, tokens = np.asarray(self.context, np.int64), np.asarray(self.generated[:stop], np.int64)
-        steps, position = 0, start
-        while position < stop:
-            steps += 1
-            depth_cap = self._depth_cap(position)
-            if depth_cap <= 0:
-                position += 1
-                continue
-            began = time.perf_counter()
-            try:
-                tree = self._cut(self.retriever.propose(context[: context_at[position]],
-                                                        speaker=self.speaker, max_nodes=cap, max_depth=depth_cap),
-                                 cap, depth_cap)
-            except Exception:  # noqa: BLE001 — counting is optional; the steps already warned
-                return None
-            if time.perf_counter() - began > self.retriever_timeout:
-                return None
-            position += 1 + matched_depth(tree.tokens + self.speech.offset, tree.parents, tokens[position:])
-        return steps
 
     def _usable(self, tree: CandidateTree, depth_cap: int) -> CandidateTree:
         """Drop nodes deeper than this step may go and everything below a stop token."""
@@ -410,7 +389,10 @@ class SpeculativeSession:
         return self.policy.walk(verified)
 
     def compact(self, n_nodes: int, path: list[int]) -> None:
-        """Keep the root and the nodes on `path` in the cache, in order; crop the other nodes of the tree."""
+        """Keep the root and the nodes on `path` in the cache, in order; crop the other nodes of the tree.
+
+        The cache holds every emitted token but the newest: pass the path's nodes whose tokens were emitted,
+        less the last emitted token's node (`path[: len(emitted) - 1]`)."""
         root = self.cached
         # nodes already in place (path[i] == i: the path runs down the tree's first branch) need no move
         moved = next((i for i, node in enumerate(path) if node != i), len(path))
@@ -439,9 +421,8 @@ class SpeculativeSession:
         tree = self.propose()
         verified = self.verify(tree)
         path, bonus = self.accept(verified)
-        emitted = self._emit([verified.tokens[i] for i in path] + ([] if bonus is None else [bonus]))
-        # the cache holds every emitted token but the last: fewer emitted (a stop, the length limit) keep fewer
-        self.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
+        emitted = self.emit([verified.tokens[i] for i in path] + ([] if bonus is None else [bonus]))
+        self.compact(len(tree), path[: len(emitted) - 1])
         self.budget.observe(len(emitted), time.perf_counter() - start)
         if self.finished:
             self._close_budget()
@@ -453,7 +434,8 @@ class SpeculativeSession:
 
     def _close_budget(self) -> None:
         self.budget.finish()
-        self.stats.budget = self.budget.summary()
+        summary = getattr(self.budget, "summary", None)
+        self.stats.budget = summary() if summary else None
 
     def _state_at(self, path_tokens: list[int]) -> NodeState:
         """The sampler's view at the position after the emitted tokens and `path_tokens`."""
@@ -462,7 +444,9 @@ class SpeculativeSession:
         blocked = self.min_length_stop_ids if n_generated < self.min_new_tokens else ()
         return NodeState(history, n_generated, self.speech.stop_ids, blocked)
 
-    def _emit(self, tokens: list[int]) -> list[int]:
+    def emit(self, tokens: list[int]) -> list[int]:
+        """Append `tokens` (model ids: a step's accepted path and bonus token) to `generated`, up to a stop
+        token or `max_new_tokens`; returns those emitted and sets `finished` at the end of the utterance."""
         emitted = []
         for token in tokens:
             if len(self.generated) >= self.max_new_tokens:
@@ -517,6 +501,19 @@ def _typical_curve(rounds: list[np.ndarray]) -> list[float]:
     rounds = np.array(rounds)
     shape = np.maximum.accumulate(np.median(rounds / rounds[:, :1], axis=0))
     return [float(s) for s in shape * np.median(rounds[:, 0])]
+
+
+def _budget(max_nodes, budget) -> NodeBudget:
+    if budget is not None:
+        if max_nodes is not None:
+            raise DecoderInputError("pass max_nodes (a fixed cap) or budget, not both")
+        return budget
+    if max_nodes is None:
+        return FixedBudget(NODES)
+    if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 0:
+        raise DecoderInputError(f"max_nodes must be a non-negative int, got {max_nodes!r} (for a cap measured "
+                                f"as it runs, pass budget=AdaptiveBudget(rates))")
+    return FixedBudget(max_nodes)
 
 
 def _check_batch(shape, dims: int, name: str) -> None:

@@ -18,6 +18,10 @@ from numba import njit
 SOURCES = ("prompt", "speaker", "general", "faiss")
 """Where a node came from: `sources[i]` indexes this tuple."""
 
+MAX_DEPTH = 8
+"""How deep a proposed tree goes unless asked otherwise: the one default of the retriever, the decoder and the
+CLI (retriever.py's tuning notes: 6 and 12 accepted no more)."""
+
 FIELDS = ("tokens", "parents", "depths", "counts", "probs", "sources")
 
 
@@ -102,16 +106,6 @@ class CandidateTree:
         """bool[N, N]: mask[i, j] is True when node j is node i or one of its ancestors."""
         return ancestor_mask(self.parents)
 
-    @cached_property
-    def paths(self) -> np.ndarray:
-        """int32[L, max_depth]: node indices of each root-to-leaf path, padded with -1."""
-        leaves = np.setdiff1d(np.arange(len(self)), self.parents)
-        paths = np.full((len(leaves), self.max_depth), -1, dtype=np.int32)
-        for row, leaf in enumerate(leaves):
-            chain = np.flatnonzero(self.mask[leaf])  # ancestors are in topological order
-            paths[row, : len(chain)] = chain
-        return paths
-
     def matched_depth(self, sequence) -> int:
         """How many tokens of `sequence` the tree proposes in order (its longest matching root path)."""
         return matched_depth(self.tokens, self.parents, sequence)
@@ -155,7 +149,7 @@ class CandidateTree:
         weights: Sequence[float] | None = None,
         sources: Sequence[int] | None = None,
         max_nodes: int = 16,
-        max_depth: int = 8,
+        max_depth: int = MAX_DEPTH,
     ) -> "CandidateTree":
         """Merge continuations into a trie and keep the `max_nodes` most probable nodes.
 

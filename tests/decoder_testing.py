@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from echospec.retriever import CandidateTree
+from echospec.retriever.tree import MAX_DEPTH
 
 torch.set_num_threads(1)
 
@@ -25,7 +26,7 @@ def tiny_model(family: str = "llama", attn: str = "sdpa", vocab: int = 64, seed:
     return model.eval()
 
 
-def prompt_lookup_tree(context, max_nodes=16, max_depth=8, ngram_max=3) -> CandidateTree:
+def prompt_lookup_tree(context, max_nodes=16, max_depth=MAX_DEPTH, ngram_max=3) -> CandidateTree:
     """Prompt lookup as a tree: what followed earlier occurrences of the context's last 1..3 tokens."""
     context = list(map(int, context))
     sequences, weights = [], []
@@ -40,7 +41,7 @@ def prompt_lookup_tree(context, max_nodes=16, max_depth=8, ngram_max=3) -> Candi
 
 class PromptLookup:
     def propose(self, context, speaker=None, max_nodes=None, max_depth=None):
-        return prompt_lookup_tree(context, max_nodes or 16, max_depth or 8)
+        return prompt_lookup_tree(context, max_nodes or 16, max_depth or MAX_DEPTH)
 
 
 class Scripted:
@@ -60,7 +61,7 @@ class Scripted:
         if self.right and truth:
             sequences.insert(int(self.rng.integers(0, len(sequences) + 1)), truth)
         weights = list(self.rng.random(len(sequences)) + 0.1)
-        return CandidateTree.from_sequences(sequences, weights, max_nodes=max_nodes or 16, max_depth=max_depth or 8)
+        return CandidateTree.from_sequences(sequences, weights, max_nodes=max_nodes or 16, max_depth=max_depth or MAX_DEPTH)
 
 
 class Wrong:
@@ -70,8 +71,8 @@ class Wrong:
         self.vocab, self.rng = vocab, np.random.default_rng(seed)
 
     def propose(self, context, speaker=None, max_nodes=None, max_depth=None):
-        sequences = self.rng.integers(0, self.vocab, (4, max_depth or 8)).tolist()
-        return CandidateTree.from_sequences(sequences, max_nodes=max_nodes or 16, max_depth=max_depth or 8)
+        sequences = self.rng.integers(0, self.vocab, (4, max_depth or MAX_DEPTH)).tolist()
+        return CandidateTree.from_sequences(sequences, max_nodes=max_nodes or 16, max_depth=max_depth or MAX_DEPTH)
 
 
 class Raising:

@@ -1,4 +1,5 @@
-"""tools/benchmarks/auto_replay.py: recording every cap's steps on the shipped sample, and replaying "auto" on them."""
+"""tools/benchmarks/auto_replay.py: recording every cap's steps on the shipped sample, and replaying the adaptive
+budget on them."""
 
 import json
 import os
@@ -6,7 +7,6 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from echospec.decoder.cost import ARMS
 from echospec.tools.benchmarks import auto_replay
 from echospec.tools.corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS
 
@@ -30,16 +30,13 @@ def synthetic(rates: dict[int, float], prompts: int = 60, repeats: int = 2) -> d
 class Pinned:
     """Rates that always choose one cap."""
 
-    def __init__(self, cap: int, seed: int = 0):
-        self.arms, self.cap = ARMS, cap
+    def __init__(self, cap: int):
+        self.caps, self.cap = (cap,), cap
 
     def choose(self) -> int:
-        return self.arms.index(self.cap)
+        return self.cap
 
-    def compared(self) -> list[int]:
-        return []
-
-    def record(self, arm, tokens, seconds, window=None, window_tokens=0) -> None:
+    def record(self, cap, tokens, seconds) -> None:
         pass
 
 
@@ -52,7 +49,7 @@ def test_record_then_replay_on_the_sample(sample_store, tmp_path):
     assert result.exit_code == 0, result.output
     assert dict(os.environ) == before  # threads set for this process's torch only, as `echospec bench` does
     runs = json.loads(recording.read_text())["runs"]
-    assert len(runs) == 3 * len(ARMS) * 2
+    assert len(runs) == 3 * len(auto_replay.CAPS) * 2
     for prompt in {r["prompt"] for r in runs}:
         # lossless: every cap emits the same utterance, in fewer steps on larger trees
         lengths = {sum(r["tokens"]) for r in runs if r["prompt"] == prompt}
@@ -92,17 +89,17 @@ def test_record_rejects_an_unknown_policy(sample_store, tmp_path):
 
 
 def test_replay_finds_the_fastest_cap():
-    report = auto_replay.replay(synthetic({0: 1, 4: 2, 8: 3, 16: 2, 32: 1, 64: 1}), replays=20)
+    report = auto_replay.replay(synthetic({0: 1, 4: 2, 8: 3, 16: 2, 32: 1, 64: 1}), replays=20, cycles=2)
     assert report["fixed_over_best"]["8"] == 1.0 and report["fixed_over_best"]["4"] == pytest.approx(2 / 3)
-    assert report["caps"]["8"] > 0.8  # the rest is its tries of the others
-    assert 0.85 < report["auto_over_best"]["geomean"] < 1.0
+    assert report["caps"]["8"] > 0.8  # the rest is its tries of the others and its rechecks
+    assert 0.85 < report["adaptive_over_best"]["geomean"] < 1.0 and report["cycles"] == 2
 
 
 def test_replay_scores_a_pinned_cap_at_that_caps_rate():
     report = auto_replay.replay(synthetic({0: 1, 4: 2, 8: 3, 16: 2, 32: 1, 64: 1}), replays=3,
-                                make_rates=lambda seed: Pinned(4))
-    assert report["auto_over_best_paired"]["geomean"] == pytest.approx(2 / 3)
-    assert report["auto_over_plain"]["geomean"] == pytest.approx(2.0)
+                                make_rates=lambda: Pinned(4))
+    assert report["adaptive_over_best_paired"]["geomean"] == pytest.approx(2 / 3)
+    assert report["adaptive_over_plain"]["geomean"] == pytest.approx(2.0)
     assert report["caps"]["4"] == pytest.approx(1.0)
 
 
@@ -110,10 +107,10 @@ def test_replay_rejects_what_it_cannot_use(tmp_path):
     once = tmp_path / "once.json"
     once.write_text(json.dumps(synthetic({0: 1, 8: 2}, repeats=1)))
     some = tmp_path / "some.json"
-    some.write_text(json.dumps(synthetic({0: 1, 8: 2})))
+    some.write_text(json.dumps(synthetic({0: 1, 8: 2})))  # no 4: a cap CapRates runs
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"systems": {}}))
-    for path, message in ((once, "at least twice"), (some, "no utterances under caps [4, 16, 32, 64]"),
+    for path, message in ((once, "at least twice"), (some, "no utterances under caps [4]"),
                           (other, "not a recording")):
         result = CliRunner().invoke(auto_replay.main, ["replay", str(path), "--out", str(tmp_path / "out")])
         assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output

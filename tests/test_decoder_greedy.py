@@ -78,8 +78,8 @@ def test_compacted_cache_matches_full_forward(family, attn, speech_table):
         verified = session.verify(tree)
         path, bonus = session.accept(verified)
         reordered += path != list(range(len(path)))
-        emitted = session._emit([verified.tokens[i] for i in path] + [bonus])
-        session.compact(len(tree), path if len(emitted) > len(path) else path[: len(emitted) - 1])
+        emitted = session.emit([verified.tokens[i] for i in path] + [bonus])  # public calls only: a custom loop
+        session.compact(len(tree), path[: len(emitted) - 1])
     assert session.cached == ids.shape[1] + len(session.generated) - 1  # all but the pending token
     with torch.no_grad():
         last = session.verify(CandidateTree.empty()).logits[0]

@@ -92,7 +92,7 @@ SAMPLERS = {
 def test_speculative_sampling_keeps_the_autoregressive_distribution(kind):
     model = tiny_model("llama", "sdpa", VOCAB, seed=3, sharpen=6.0)
     sampler = SAMPLERS[kind.split("-")[1]]()
-    policy = ExactSampling(sampler) if kind.startswith("exact") else Tolerance(0.0, sampler)
+    policy = ExactSampling(sampler) if kind.startswith("exact") else Tolerance(sampler, beta=0.0)
     prompt, stop, steps, draws = [3, 9, 4, 1, 12], 5, 3, 500
     joint = exact_joint(model, prompt, sampler, steps, stop)
     with torch.no_grad():
@@ -152,9 +152,10 @@ def test_similarity_groups_accept_within_the_group_only():
     logits = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 9.0])
     greedy_sampler = Sampler(top_k=1)  # always samples token 5
     tree, tokens = verified(logits, [[3], [4]])
-    assert [tokens[i] for i in SimilarityGroups(0.9, greedy_sampler, embeddings).walk(tree)[0]] == [3]
-    assert SimilarityGroups(0.999, greedy_sampler, embeddings).walk(tree)[0] == []
-    assert SimilarityGroups(0.9, greedy_sampler, embeddings).walk(verified(logits, [[4]])[0]) == ([], 5)
+    groups = lambda threshold: SimilarityGroups(greedy_sampler, threshold=threshold, embeddings=embeddings)  # noqa: E731
+    assert [tokens[i] for i in groups(0.9).walk(tree)[0]] == [3]
+    assert groups(0.999).walk(tree)[0] == []
+    assert groups(0.9).walk(verified(logits, [[4]])[0]) == ([], 5)
 
 
 def test_relaxed_policies_accept_at_least_as_much_as_exact_ones():
@@ -162,8 +163,8 @@ def test_relaxed_policies_accept_at_least_as_much_as_exact_ones():
     embeddings = torch.randn(VOCAB, 8, generator=generator)
     policies = {"exact": ExactSampling(Sampler(), seed=0), "greedy": ExactGreedy(),
                 "filtered": Filtered(tau=4, sampler=Sampler(), win_size=1, tau_r=1.0, seed=0),
-                "tolerance": Tolerance(0.3, Sampler(), seed=0),
-                "similarity": SimilarityGroups(0.5, Sampler(), embeddings, seed=0)}
+                "tolerance": Tolerance(Sampler(), beta=0.3, seed=0),
+                "similarity": SimilarityGroups(Sampler(), threshold=0.5, embeddings=embeddings, seed=0)}
     accepted = Counter()
     for _ in range(300):
         logits = torch.randn(VOCAB, generator=generator) * 2
@@ -181,8 +182,8 @@ def test_relaxed_policies_decide_the_end_of_speech_exactly(name):
     probs = torch.tensor([0.2, 0.2, 0.1, 0.1, 0.1, 0.3])
     embeddings = torch.ones(6, 4)  # every token in every token's similarity group, the stop's included
     policy = {"filtered": Filtered(tau=6, sampler=Sampler(), seed=0),
-              "tolerance": Tolerance(1.0, Sampler(), seed=0),
-              "similarity": SimilarityGroups(0.5, Sampler(), embeddings, seed=0)}[name]
+              "tolerance": Tolerance(Sampler(), beta=1.0, seed=0),
+              "similarity": SimilarityGroups(Sampler(), threshold=0.5, embeddings=embeddings, seed=0)}[name]
     tree, _ = verified(probs.log(), [[0], [1]], stops=(5,))
     n = 2000
     stopped = sum(policy.walk(tree) == ([], 5) for _ in range(n))
@@ -194,8 +195,8 @@ def test_relaxed_policies_without_a_tree_draw_what_autoregressive_sampling_draws
     # a plain step (no retriever, or "auto" choosing 0 nodes) emits, and costs, what autoregressive sampling does
     model = tiny_model("llama", "sdpa", VOCAB, seed=3, sharpen=2.0)
     sampler, speech = SAMPLERS["ras"](), SpeechVocab(0, VOCAB, (5,))
-    policy = {"filtered": Filtered(tau=4, sampler=sampler), "tolerance": Tolerance(0.3, sampler),
-              "similarity": SimilarityGroups(0.5, sampler)}[name]
+    policy = {"filtered": Filtered(tau=4, sampler=sampler), "tolerance": Tolerance(sampler, beta=0.3),
+              "similarity": SimilarityGroups(sampler, threshold=0.5)}[name]
     for seed in range(5):
         options = dict(input_ids=[3, 9, 4, 1, 12], speech=speech, seed=seed, max_new_tokens=30)
         reference = generate(model, None, policy=ExactSampling(sampler), **options)

@@ -68,8 +68,8 @@ class Run:
     accepted: list[int]
     tree_sizes: list[int] | None
     logits: list | None = None  # with record_logits: the logits row behind each token emitted
-    budget: dict | None = None  # max_nodes="auto": each cap's measured rate at the end of the utterance
-    caps: list[int] | None = None  # max_nodes="auto": the cap each step ran
+    budget: dict | None = None  # "auto" (an adaptive budget): each cap's measured rate at the end of the utterance
+    caps: list[int] | None = None  # "auto": the cap each step ran
 
     @property
     def time_per_token(self) -> float:
@@ -150,16 +150,20 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
     """echospec's `generate` with `policy(seed)` and `retriever` (None: autoregressive), timed; `speaker`
     passes the prompt's speaker to the retriever (its speaker store), else only the general store is asked.
     `record_logits` keeps the logits row behind each emitted token (see `divergence`), untimed."""
-    from ...decoder import generate
+    from ...decoder import AdaptiveBudget, CapRates, generate
     from .divergence import record_logits as recording
 
     auto = retriever is not None and generate_options.get("max_nodes", "auto") == "auto"
+    if generate_options.get("max_nodes") == "auto":
+        del generate_options["max_nodes"]
+    rates = CapRates() if auto else None  # "auto": one adaptive budget's rates over this system's utterances
 
     def run(prompt: Prompt, seed: int) -> Run:
         chosen = policy(seed)
         record = recording(chosen) if record_logits else None
+        budget = {"budget": AdaptiveBudget(rates)} if auto else {}
         result = generate(model, retriever, policy=chosen, speech=speech,
-                          speaker=prompt.speaker if speaker else None, **prompt.inputs(), **generate_options)
+                          speaker=prompt.speaker if speaker else None, **prompt.inputs(), **generate_options, **budget)
         stats = result.stats
         seconds = stats.wall_seconds - (record.seconds if record else 0.0)
         return Run(result.tokens, stats.target_forwards, seconds, stats.accepted_lengths, stats.node_budgets,

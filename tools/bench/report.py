@@ -191,16 +191,18 @@ def _full_table(report: dict) -> list[str]:
 def _auto_notes(report: dict, full: bool) -> list[str]:
     """What the "auto" node budget's figures mean over this run, and how it fared against the fixed budgets
     swept beside it."""
-    from ...decoder.cost import FIRST_ARM, SETTLE
+    from ...decoder.budget import CAPS, NODES, TRIES
+
+    settle = len(CAPS) * TRIES  # utterances before an adaptive budget chooses by its rates
 
     wrap = (lambda text: [text]) if full else _wrapped
     lines = []
     setup = report.get("setup", {})
     utterances = setup.get("utterances")
-    if setup.get("max_nodes") == "auto" and utterances is not None and utterances < 4 * SETTLE:
-        lines += [""] + wrap(f"auto (the node budget): each system's first {SETTLE} utterances measure its caps, so "
+    if setup.get("max_nodes") == "auto" and utterances is not None and utterances < 4 * settle:
+        lines += [""] + wrap(f"auto (the node budget): each system's first {settle} utterances measure its caps, so "
                              f"over {utterances} its figures are mostly that measuring, not the cap it settles on; "
-                             f"run more prompts or --rounds, or pin a budget (--max-nodes {FIRST_ARM})")
+                             f"run more prompts or --rounds, or pin a budget (--max-nodes {NODES})")
     against = report.get("auto_against_fixed")
     if against:
         lines += [""] + wrap("auto against the fixed budgets swept beside it (paired: each utterance's time per "

@@ -70,7 +70,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     """
     import torch
 
-    from ...decoder.cost import node_cap
+    from ...decoder.budget import CAPS
 
     sampler_name, sampler = _sampler(sampler)
     unknown = set(sweep_policies) - set(policies)
@@ -86,8 +86,8 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
                        list(sweep_policies), max_nodes, max_depth, max_new_tokens, hf_baselines, sampler, attach)
 
     warm_up(compared, inputs.prompts[0], seed)
-    curve, curve_context = verify_cost_curve(inputs.model, inputs.speech, inputs.prompts,
-                                             max(node_cap(n) for n in [max_nodes, *sweep_nodes]), **attach)
+    largest = max(max(CAPS) if n == "auto" else int(n) for n in [max_nodes, *sweep_nodes])
+    curve, curve_context = verify_cost_curve(inputs.model, inputs.speech, inputs.prompts, largest, **attach)
     rows, budgets = decode(compared, inputs, curve, rounds=rounds, seed=seed, tokenizer=tokenizer, attach=attach,
                            progress=progress)
     meta = inputs.meta
