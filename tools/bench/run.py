@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...retriever.tree import MAX_DEPTH
 from .divergence import divergence
 from .harness import (
     POLICIES,
@@ -44,7 +45,7 @@ DIVERGENCE_LOGITS = 20  # per system, the divergent utterances whose logits are 
 def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None = None, vocab_size: int | None = None,
           stop_ids=(), head=None, speech_embedding=None, sampler=None, token_rate: float | None = None,
           tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
-          max_nodes: int | str = "auto", max_depth: int = 8, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
+          max_nodes: int | str = "auto", max_depth: int = MAX_DEPTH, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
           limit: int | None = None, rounds: int = 1, max_new_tokens: int = 400, threads: int = 1, seed: int = 0,
           tau: int | None = None, beta: float = 0.2, similarity: float = 0.3, device: str = "cpu",
           dtype: str = "float32", out_dir=None, progress: bool = True) -> dict:

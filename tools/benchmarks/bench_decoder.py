@@ -23,6 +23,7 @@ import numpy as np
 
 from ...datastore.files import atomic_file
 from ...retriever import CandidateTree
+from ...retriever.tree import MAX_DEPTH
 from ..bench import harness
 from ..bench.harness import Prompt, System
 from ..commands import out_option, threads_option
@@ -34,7 +35,7 @@ class PromptLookupTree:
     def __init__(self, ngram_max: int = 3, window: int = 1024):
         self.ngram_max, self.window = ngram_max, window
 
-    def propose(self, context, speaker=None, max_nodes=16, max_depth=8):
+    def propose(self, context, speaker=None, max_nodes=16, max_depth=MAX_DEPTH):
         context = np.asarray(context[-self.window:], np.int64)
         sequences, weights = [], []
         for n in range(min(self.ngram_max, len(context) - 1), 0, -1):
@@ -54,7 +55,7 @@ class RandomPaths:
     def __init__(self, vocab: int, seed: int = 0):
         self.vocab, self.rng = vocab, np.random.default_rng(seed)
 
-    def propose(self, context, speaker=None, max_nodes=16, max_depth=8):
+    def propose(self, context, speaker=None, max_nodes=16, max_depth=MAX_DEPTH):
         sequences = self.rng.integers(0, self.vocab, (4, max_depth)).tolist()
         return CandidateTree.from_sequences(sequences, max_nodes=max_nodes, max_depth=max_depth)
 
@@ -84,7 +85,7 @@ def make_systems(model, speech, max_new: int, seed: int) -> list[System]:
     def ours(policy, retriever, max_nodes=16):
         return harness.echospec_run(model, retriever, lambda _: harness.make_policy(policy, seed, relaxed), speech,
                                     speaker=False, max_new_tokens=max_new, min_new_tokens=max_new,
-                                    max_nodes=max_nodes, max_depth=8)
+                                    max_nodes=max_nodes)
 
     never = RandomPaths(speech.size, seed)
     return [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ...retriever.tree import MAX_DEPTH
 from ..bench.harness import POLICIES
 from ..commands import (OldSpellings, device_option, dtype_option, fail_cleanly, limit_option, needs_extra,
                         out_option, threads_option)
@@ -42,7 +43,7 @@ full_option = click.option("--full", is_flag=True, help="Print the full table (e
 @click.option("--max-nodes", "--nodes", "max_nodes", cls=OldSpellings, default="auto", show_default=True,
               help="Most tree nodes a step verifies: 'auto' (the fastest cap measured, 0 = plain steps) or an "
                    "integer to pin it.")
-@click.option("--max-depth", "--depth", "max_depth", cls=OldSpellings, default=8, show_default=True,
+@click.option("--max-depth", "--depth", "max_depth", cls=OldSpellings, default=MAX_DEPTH, show_default=True,
               type=click.IntRange(1, 64), help="Deepest path of a proposed tree, in tokens.")
 @click.option("--sweep-nodes", default="", help="Node budgets to sweep, e.g. 8,32,64.")
 @click.option("--sweep-depths", default="", show_default="--max-depth", help="Depths to sweep, e.g. 4,12.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ...retriever.tree import MAX_DEPTH
 from ..commands import fail_cleanly, needs_extra
 
 
@@ -20,7 +21,7 @@ from ..commands import fail_cleanly, needs_extra
               help="Most contexts in one propose request.")
 @click.option("--max-nodes", default=16, show_default=True, type=click.IntRange(min=0),
               help="Default node budget of a proposal (a request may ask for another).")
-@click.option("--max-depth", default=8, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-depth", default=MAX_DEPTH, show_default=True, type=click.IntRange(min=1),
               help="Default depth of a proposal (a request may ask for another).")
 @click.option("--reload-interval", default=1.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds between checks for writes made by other processes (0: never check).")

@@ -16,6 +16,7 @@ import numpy as np
 from ...datastore import N_MAX, N_MIN, DatastoreError, open_datastore
 from ...datastore import build as build_datastore
 from ...datastore import enroll as enroll_speaker
+from ...retriever.tree import MAX_DEPTH
 from ..commands import fail_cleanly
 
 
@@ -138,7 +139,7 @@ HELP = """type token ids (spaces or commas) to see the proposal for that context
 @click.option("--speaker", help="Use this speaker's store too.")
 @click.option("--max-nodes", default=16, show_default=True, type=click.IntRange(min=1),
               help="Most nodes of a proposed tree.")
-@click.option("--max-depth", default=8, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-depth", default=MAX_DEPTH, show_default=True, type=click.IntRange(min=1),
               help="Deepest path of a proposed tree, in tokens.")
 @click.option("--raw-ids", is_flag=True, help="Ids are the model's (minus the store's speech offset).")
 @click.option("--no-faiss", is_flag=True, help="Exact stores and prompt lookup only.")
