@@ -29,7 +29,7 @@ TRIES = 2  # utterances each cap runs before the fastest is chosen
 RECENT = 16  # a cap's rate: its tokens over its seconds in its last RECENT utterances, so that it follows drift
 RECHECK = 32  # every RECHECK-th utterance runs the cap not run for longest: a slow start is not final, and a
 # recheck costs at most 1/RECHECK of the time (RECENT 16 and RECHECK 32 did 1-4% better than 8 and 16 on the
-# replays in tools/benchmarks/auto_budget.md)
+# replays in docs/auto_budget.md)
 
 
 class NodeBudget(Protocol):
