@@ -200,7 +200,8 @@ def test_bad_corpus_in_a_sharded_build_leaves_nothing(tmp_path):
 
 def test_a_sharded_build_keeps_the_corpus_rules(tmp_path, caplog):
     """A repeated id is refused naming both lines whichever files and shards they are in (every copy of an id
-    lands in one shard); utterances without speech are skipped with one warning; a bad speaker name is refused."""
+    lands in one shard); utterances without speech are skipped with one warning; a bad speaker name is refused;
+    a corpus with no speech at all is one error, with no warning first."""
     first = random_corpus(tmp_path / "a.jsonl", n_utts=30)
     (tmp_path / "b.jsonl").write_text(json.dumps({"id": "x", "speaker": "s0", "tokens": [1, 2]}) + "\n"
                                       + json.dumps({"id": "u7", "speaker": "s1", "tokens": [3, 4]}) + "\n")
@@ -218,6 +219,13 @@ def test_a_sharded_build_keeps_the_corpus_rules(tmp_path, caplog):
     (tmp_path / "c.jsonl").write_text(json.dumps({"id": "y", "speaker": "../etc", "tokens": [1]}) + "\n")
     with pytest.raises(CorpusError, match=r"c.jsonl:1: speaker name '../etc' must match .*--no-per-speaker"):
         build(tmp_path / "c.jsonl", tmp_path / "t", shards=2, workers=1, faiss=False, progress=False)
+    caplog.clear()
+    (tmp_path / "e.jsonl").write_text("".join(json.dumps({"id": f"e{i}", "speaker": "s0", "tokens": t}) + "\n"
+                                              for i, t in enumerate([[], [99]])))
+    with caplog.at_level("WARNING", logger="echospec.datastore.corpus"), \
+            pytest.raises(CorpusError, match=r"e.jsonl: corpus is empty \(no speech tokens\)$"):
+        build(tmp_path / "e.jsonl", tmp_path / "u", shards=2, workers=1, stop_ids=[99], faiss=False, progress=False)
+    assert caplog.records == []  # the error alone: no warning about what was skipped before it
 
 
 @pytest.mark.parametrize("name, value", [("sa.npy", 2**31 - 5), ("sa.npy", -1), ("first.npy", 2**40),
