@@ -85,6 +85,8 @@ META_INTS = {"vocab_size": (1, 2**32 - 2), "speech_offset": (0, 2**63 - 1), "n_m
 META_REQUIRED = ("format_version", *META_INTS, "stop_ids", "dtype", "created_at", "updated_at")
 STORE_FILES = {"exact": ("tokens.npy", "sa.npy", "first.npy"), "faiss": ("index.faiss", "embeddings.npy")}
 """The files each kind of store has; verify checks the catalog lists (and so checksums) every one."""
+EXTRA_FILES = {"exact": ("index.npy",), "faiss": ()}
+"""Files a store has when it was built by a version that writes them (a store without them still reads)."""
 
 
 @dataclass
@@ -270,7 +272,8 @@ def verify_catalog(db: sqlite_utils.Database, root: Path, stores: dict, speakers
                     raise DatastoreError(f"{path}: the catalog lists no {directory}/{file} (store {name!r}), "
                                          "so it cannot be verified; rebuild the datastore")
     for shard in shards:
-        rows = [listed[f"{shard['directory']}/{file}"] for file in STORE_FILES["exact"]]
+        rows = [listed[path] for file in STORE_FILES["exact"] + EXTRA_FILES["exact"]
+                if (path := f"{shard['directory']}/{file}") in listed]
         if shard_digest(rows) != shard["sha256"]:
             raise DatastoreError(f"{path}: shard {shard['shard']}'s checksum does not match its files' rows; "
                                  "the catalog is inconsistent")

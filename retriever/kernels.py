@@ -52,13 +52,16 @@ def context_is_valid(ctx, vocab_size):
     return True
 
 
-# A store (the general store, or a speaker's) is a tuple (shards, tokens0, sa0, first0): `shards` an
-# int64 table with one row per shard, the addresses and lengths of its tokens, sa and first arrays, and
-# shard 0's three arrays, which give the kernels their dtypes. The caller keeps every shard's arrays
+# A store (the general store, or a speaker's) is a tuple (shards, tokens0, sa0, first0, index0): `shards`
+# an int64 table with one row per shard, the addresses and lengths of its tokens, sa and first arrays and
+# of its sampled index's keys (with the index's step, depth, bits per token and words per key; 0 rows: no
+# index), and shard 0's arrays, which give the kernels their dtypes. The caller keeps every shard's arrays
 # alive. Addresses rather than a list of arrays: reading a shard's array from a numba typed list costs
 # ~25 ns a time, more than a binary-search step; from the table it is a pointer and a length, and the
-# call passes four arrays however many shards there are.
+# call passes five arrays however many shards there are.
 TOKENS, TOKENS_LEN, SA, SA_LEN, FIRST, FIRST_LEN = 0, 1, 2, 3, 4, 5
+INDEX, INDEX_ROWS, INDEX_STEP, INDEX_DEPTH, INDEX_BITS, INDEX_WORDS = 6, 7, 8, 9, 10, 11
+TABLE_COLUMNS = 12
 
 
 @intrinsic
@@ -82,6 +85,47 @@ def shard_sa(store, s):
 @njit(cache=True, nogil=True, inline="always")
 def shard_first(store, s):
     return carray(_pointer(store[0][s, FIRST], store[3]), store[0][s, FIRST_LEN])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def shard_index(store, s):
+    return carray(_pointer(store[0][s, INDEX], store[4]), store[0][s, INDEX_ROWS] * store[0][s, INDEX_WORDS])
+
+
+@njit(cache=True, nogil=True)
+def index_range(store, s, a, b, depth, c, upper):
+    """A part of [a, b) that holds the first entry of shard s's sa range [a, b) whose token `depth` places
+    left is >= c (> c when `upper`), or b: found among the index's sampled keys (every step-th entry's),
+    so the binary search that follows probes at most `step` entries, about one page of sa, and as many
+    fewer stream pages. The range is sorted by that token (all shallower ones being equal), so the
+    samples are too. Unchanged without an index, beyond its depth, or for a range of one step or less."""
+    table = store[0]
+    step = table[s, INDEX_STEP]
+    if table[s, INDEX_ROWS] == 0 or depth >= table[s, INDEX_DEPTH] or b - a <= step:
+        return a, b
+    bits = table[s, INDEX_BITS]
+    words = table[s, INDEX_WORDS]
+    per_word = 64 // bits
+    word = depth // per_word
+    shift = np.uint64(bits * (per_word - 1 - depth % per_word))
+    mask = np.uint64((1 << bits) - 1)
+    keys = shard_index(store, s)
+    first = (a + step - 1) // step  # the samples inside [a, b)
+    lo = first
+    hi = min((b - 1) // step + 1, table[s, INDEX_ROWS])
+    end = hi
+    while lo < hi:
+        m = (lo + hi) >> 1
+        code = np.int64((keys[m * words + word] >> shift) & mask)
+        if code < c or (upper and code == c):
+            lo = m + 1
+        else:
+            hi = m
+    if lo > first:  # sample lo - 1 is before the answer
+        a = max(a, (lo - 1) * step + 1)
+    if lo < end:  # sample lo qualifies: the answer is at it or before
+        b = min(b, lo * step)
+    return a, b
 
 
 @njit(cache=True, nogil=True)
@@ -110,8 +154,13 @@ def gather_store(store, ctx, n_min, n_max, min_support, cap, out, row0, vocab_si
     would choose it. With more than `cap` occurrences, each shard gives its share of the `cap` (in
     proportion to its count, largest remainders first), taken as a contiguous block of its suffix
     array centred where the next longer suffix sits: the occurrences whose further-left context is
-    closest to this one's, read from consecutive memory. The rows are then put in content order, so
-    the tree never depends on how the corpus was split into shards.
+    closest to this one's, read from consecutive memory. The rows are then put in content order.
+    So the tree is one store's exactly (whatever the split into shards) when the chosen suffix occurs at
+    most `cap` times: the suffix and its count are chosen on the sums and every occurrence is taken. When
+    it occurs more often, one store takes the `cap` occurrences around one place of its range and the
+    shards take their shares around a place in each, so the continuations, and the tree, may differ: with
+    the defaults in 2 of 1,989 held-out contexts of a 210M-token corpus (issue 36), at 1.003x and 1.013x
+    one store's accepted length at 4 and 16 shards (docs/scaling.md).
     Returns (rows written, match length, occurrences); rows is DAMAGED when a shard's files hold an
     out-of-range entry (an id >= vocab_size in a continuation included: a verifier would index its
     embedding table with it)."""
@@ -231,8 +280,7 @@ def narrow(store, only, los, his, depth, c):
             tokens = shard_tokens(store, s)
             sa = shard_sa(store, s)
             n = tokens.shape[0]
-            a = los[s, depth]
-            b = his[s, depth]
+            a, b = index_range(store, s, los[s, depth], his[s, depth], depth, c, False)
             while a < b:
                 m = (a + b) >> 1
                 p = sa[m] - depth
@@ -243,7 +291,7 @@ def narrow(store, only, los, his, depth, c):
                 else:
                     b = m
             los[s, depth + 1] = a
-            b = his[s, depth]
+            a, b = index_range(store, s, a, his[s, depth], depth, c, True)
             while a < b:
                 m = (a + b) >> 1
                 p = sa[m] - depth
@@ -276,6 +324,8 @@ def _search(store, lo, hi, depth, c, upper):
     """Every shard's binary search for the first position whose token `depth` places left is >= c
     (> c when `upper`) within [lo[s], hi[s]), one step per shard in turn; the result is left in lo.
     Returns True (damaged) if a probed entry points outside its stream."""
+    for s in range(lo.shape[0]):
+        lo[s], hi[s] = index_range(store, s, lo[s], hi[s], depth, c, upper)
     active = lo.shape[0]
     while active:
         active = 0

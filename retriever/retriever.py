@@ -168,7 +168,18 @@ class Retriever:
 
 def kernel_store(shards: tuple[ExactStore, ...]) -> tuple:
     """The kernels' view of a store (see kernels.TOKENS): a table of its shards' array addresses and
-    lengths, and shard 0's arrays for their dtypes. The caller keeps `shards` alive while it uses the view."""
-    table = np.array([[a.ctypes.data if len(a) else 0, len(a)] for shard in shards
-                      for a in (shard.tokens, shard.sa, shard.first)], np.int64).reshape(len(shards), 6)
-    return table, shards[0].tokens, shards[0].sa, shards[0].first
+    lengths (and sampled indexes), and shard 0's arrays for their dtypes. The caller keeps `shards` alive
+    while it uses the view."""
+    table = np.zeros((len(shards), kernels.TABLE_COLUMNS), np.int64)
+    for row, shard in zip(table, shards):
+        for column, a in zip((kernels.TOKENS, kernels.SA, kernels.FIRST), (shard.tokens, shard.sa, shard.first)):
+            row[column:column + 2] = a.ctypes.data if len(a) else 0, len(a)
+        if len(getattr(shard, "index", ())):  # a store built before index.npy has none
+            bits = int(shard.vocab_size).bit_length()
+            words = -(-shard.index_depth // (64 // bits))
+            row[kernels.INDEX:] = (shard.index.ctypes.data, len(shard.index) // words, shard.index_step,
+                                   shard.index_depth, bits, words)
+    return table, shards[0].tokens, shards[0].sa, shards[0].first, getattr(shards[0], "index", _NO_INDEX)
+
+
+_NO_INDEX = np.zeros(0, np.uint64)

@@ -43,7 +43,7 @@ def test_catalog_records_everything(store):
     assert {f["path"] for f in info["files"]} == {p.relative_to(store).as_posix() for p in store.rglob("*.npy")}
     db = sqlite3.connect(store / "catalog.sqlite")
     files = db.execute("select path, bytes, sha256 from files").fetchall()
-    assert len(files) == 12 and all(len(sha) == 64 for _, _, sha in files)
+    assert len(files) == 16 and all(len(sha) == 64 for _, _, sha in files)  # 4 stores x tokens, sa, first, index
     assert db.execute("select count(*) from utterances").fetchone() == (40,)
 
 
