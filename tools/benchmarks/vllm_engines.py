@@ -7,7 +7,10 @@ generates on command, so systems can alternate round after round without paying 
         a["tokens"] == b["tokens"]; b["spec"]["vllm:spec_decode_num_accepted_tokens"]
 
 An engine's worker is a spawned process that runs vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
-one torch thread, and reads commands from a pipe; what vLLM logs goes to the worker's stderr. A
+one torch thread, and reads commands from a pipe; what vLLM logs goes to the worker's stderr. The worker
+must not import numba before vLLM starts: vLLM 0.32's CPU backend scans every module when it starts and
+fails on llvmlite's (`'_lib_wrapper' object has no attribute 'get'`), so a script that starts workers keeps
+echospec's datastore and retriever imports out of its top level. A
 generate returns every prompt's output ids, the wall-clock seconds of the call, and the change in
 vLLM's own spec-decode counters over the call (`llm.get_metrics()`), so counts never mix calls.
 """
@@ -30,10 +33,11 @@ class EngineError(RuntimeError):
 
 def engine_kwargs(model: str, speculative_config: dict | None, additional_config: dict | None,
                   max_model_len: int = 1024, max_num_seqs: int = 32, seed: int = 0) -> dict:
-    """LLM(...) arguments for a small checkpoint without a text tokenizer on a CPU."""
+    """LLM(...) arguments for a small checkpoint without a text tokenizer on a CPU (a fixed KV cache: vLLM's
+    CPU backend otherwise reserves a share of the machine's memory, and fails when others use it)."""
     return dict(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, enforce_eager=True, seed=seed, disable_log_stats=False,
-                gpu_memory_utilization=float(os.environ.get("ECHOSPEC_VLLM_MEMORY", "0.05")),
+                kv_cache_memory_bytes=int(os.environ.get("ECHOSPEC_VLLM_KV_BYTES", 256 << 20)),
                 speculative_config=speculative_config, additional_config=additional_config or {})
 
 

