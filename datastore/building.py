@@ -29,13 +29,17 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
           speech_offset: int = 0, vocab_size: int | None = None, stop_ids: Iterable[int] = (),
           drop_ids: Iterable[int] = (), codebooks: int = 1, n_min: int = N_MIN, n_max: int = N_MAX,
           force: bool = False, progress: bool = True, faiss_options: dict | None = None, shards: int = 1,
-          ray: str | None = None, workers: int | None = None) -> Datastore:
+          ray: str | None = None, workers: int | None = None, drop_non_speech: bool = False) -> Datastore:
     """Build a datastore from a corpus: files or glob patterns (JSONL, JSONL manifest of .npy, .npz,
     Parquet; see corpus.py).
 
     `speech_offset`, `vocab_size` and `stop_ids` map raw model ids to store-local speech ids
     (local = raw - speech_offset, 0 <= local < vocab_size; stop ids end a segment and are never
-    stored); `drop_ids` are marker ids removed wherever they occur. `codebooks` > 1 records that the
+    stored); `drop_ids` are marker ids removed wherever they occur. An id outside the speech range that is
+    no stop id is refused, naming its file and line, unless `drop_non_speech`: then it is removed (a corpus
+    dumped from training sequences that hold text, global or time tokens besides the speech ones), the
+    build warns once with how many and where the first is, and `info()["build"]["dropped_non_speech"]`
+    keeps the counts; this needs `vocab_size`, which says where the range ends. `codebooks` > 1 records that the
     speech ids interleave that many codebooks (local id // (vocab_size / codebooks) is the codebook,
     codebooks cycling in order), so retrievers propose only ids valid at the next position.
     `per_speaker` builds one exact store per speaker besides the general one; `faiss`
@@ -52,6 +56,9 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
     `.STORE.work-*` directory), which running the same build again reuses.
     """
     _check_build_options(vocab_size, speech_offset, n_min, n_max, codebooks)
+    if drop_non_speech and vocab_size is None:
+        raise DatastoreError("drop_non_speech needs vocab_size: the speech range is speech_offset.."
+                             "speech_offset + vocab_size - 1")
     if not 1 <= int(shards) <= 65536:
         raise DatastoreError(f"shards must be between 1 and 65536, got {shards}")
     if workers is not None and int(workers) < 1:
@@ -64,14 +71,15 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
     if faiss and embeddings is not None and not Path(embeddings).is_file():
         raise DatastoreError(f"{embeddings}: embedding file not found")
     vocab = Vocabulary(int(speech_offset), None if vocab_size is None else int(vocab_size),
-                       tuple(int(s) for s in stop_ids), tuple(int(d) for d in drop_ids))
+                       tuple(int(s) for s in stop_ids), tuple(int(d) for d in drop_ids), bool(drop_non_speech))
     started = time.perf_counter()
     files = corpus_files(corpus)
     shards, codebooks = int(shards), int(codebooks)
     work = pipeline.work_dir(target, files, {"speech_offset": vocab.speech_offset, "vocab_size": vocab.size,
                                              "stop_ids": vocab.stop_ids, "drop_ids": vocab.drop_ids,
                                              "codebooks": codebooks, "depth": int(n_max), "shards": shards,
-                                             "per_speaker": bool(per_speaker)})
+                                             "per_speaker": bool(per_speaker),
+                                             **({"drop_non_speech": True} if drop_non_speech else {})})
     remove_abandoned(target, "building")
     runner = pipeline.make_runner(ray, workers, shards)
     try:
@@ -95,7 +103,7 @@ def _assemble(target: Path, work: Path, outcome, codebooks, n_min, n_max, per_sp
     vocab = outcome.vocab
     with atomic_dir(target, tag="building") as tmp:
         db = catalog.create(tmp, _meta(vocab, codebooks, n_min, n_max, per_speaker, faiss, corpus,
-                                       len(outcome.shards)))
+                                       len(outcome.shards), outcome.dropped))
         speaker_utterances = insert_utterances(db, _partition_rows(work, outcome.units))
         shard_dirs = _place_shards(db, tmp, work, outcome)
         for group, manifest in enumerate(outcome.groups):
@@ -216,13 +224,14 @@ def corpus_name(corpus) -> str:
     return str(corpus) if isinstance(corpus, (str, Path)) else ", ".join(map(str, corpus))
 
 
-def _meta(vocab: Vocabulary, codebooks, n_min, n_max, per_speaker, faiss, corpus, shards) -> dict:
+def _meta(vocab: Vocabulary, codebooks, n_min, n_max, per_speaker, faiss, corpus, shards,
+          dropped: dict | None = None) -> dict:
     return {"vocab_size": vocab.size, "speech_offset": vocab.speech_offset, "stop_ids": list(vocab.stop_ids),
             "drop_ids": list(vocab.drop_ids), "codebooks": int(codebooks),
             "dtype": stream_dtype(vocab.size).name, "n_min": int(n_min), "n_max": int(n_max),
             "sort_depth": int(n_max),
             "build": {"corpus": corpus_name(corpus), "per_speaker": per_speaker, "faiss": bool(faiss),
-                      "shards": shards}}
+                      "shards": shards, **({"dropped_non_speech": dropped} if vocab.drop_non_speech else {})}}
 
 
 def record_store(db, root: Path, name: str, directory: Path, speaker: str | None, n_utts: int,

@@ -515,6 +515,13 @@ class UniqueIds:
         self.seen[utt_id] = where
 
 
+def warn_dropped(first: str, tokens: int, utterances: int, vocab: Vocabulary) -> None:
+    """One warning for every id left out for being outside the speech range (Vocabulary.drop_non_speech)."""
+    top = "" if vocab.size is None else f"..{vocab.speech_offset + vocab.size - 1}"
+    log.warning("%s: %d token ids outside the speech range %d%s dropped from %d utterances (this is the first; "
+                "drop_non_speech)", first, tokens, vocab.speech_offset, top, utterances)
+
+
 def warn_skipped(first: str, count: int) -> None:
     """One warning for all the utterances skipped for having no speech tokens; `first` is where the first is."""
     others = f" (and {count - 1} more utterances like it)" if count > 1 else ""

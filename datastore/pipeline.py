@@ -10,6 +10,7 @@ at most tasks.CHUNK_TOKENS tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .catalog import FORMAT_VERSION
-from .corpus import Vocabulary, corpus_units, warn_skipped
+from .corpus import Vocabulary, corpus_units, warn_dropped, warn_skipped
 from .errors import CorpusError, DatastoreError
 from .exact import MAX_TOKENS
 from .runners import LocalRunner, RayRunner
@@ -39,6 +40,11 @@ class Outcome:
     shards: list[dict]  # build_shard's manifests, by shard
     groups: list[dict]  # build_speakers' manifests, by speaker group
     seconds: dict  # wall-clock seconds of each phase: reading the corpus, building the stores
+
+    @property
+    def dropped(self) -> dict:
+        """Ids left out for being outside the speech range (drop_non_speech): how many, from how many utterances."""
+        return {key: sum(u.get(f"dropped_{key}", 0) for u in self.units) for key in ("tokens", "utterances")}
 
     @property
     def layout_breaks(self) -> int:
@@ -63,18 +69,22 @@ def make_runner(ray: str | None, workers: int | None, shards: int):
 
 def run(work: Path, files: list[Path], vocab: Vocabulary, codebooks: int, shards: int, per_speaker: bool,
         depth: int, runner, progress: bool) -> Outcome:
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     units = _partition(work, files, vocab, shards, per_speaker, runner, progress)
-    read = time.perf_counter()
+    read, read_cpu = time.perf_counter(), time.process_time()
     if sum(u["tokens"] for u in units) == 0:  # said alone: no warning about what was skipped first
         names = ", ".join(str(f) for f in files)
         raise CorpusError(f"{names}: corpus is empty (no speech tokens)")
     skipped = [u for u in units if u["skipped"]]
     if skipped:
         warn_skipped(skipped[0]["first_skipped"], sum(u["skipped"] for u in skipped))
+    dropped = [u for u in units if u.get("dropped_tokens")]
+    if dropped:
+        warn_dropped(dropped[0]["first_dropped"], sum(u["dropped_tokens"] for u in dropped),
+                     sum(u["dropped_utterances"] for u in dropped), vocab)
     if vocab.size is None:  # the largest id seen, rounded up to whole codebooks
         size = -(-(max(u["max_id"] for u in units) + 1) // codebooks) * codebooks
-        vocab = Vocabulary(vocab.speech_offset, size, vocab.stop_ids, vocab.drop_ids)
+        vocab = dataclasses.replace(vocab, size=size)
     shard_tokens = [sum(u["shard_tokens"][i] for u in units) for i in range(shards)]
     _check_shard_sizes([t + sum(u["shard_segments"][i] for u in units) + 1 for i, t in enumerate(shard_tokens)],
                        shards)
@@ -93,7 +103,9 @@ def run(work: Path, files: list[Path], vocab: Vocabulary, codebooks: int, shards
         done[key] = manifest
         bar.update()
     bar.close()
-    seconds = {"read": round(read - started, 3), "stores": round(time.perf_counter() - read, 3)}
+    # wall seconds of each phase, and this process's CPU seconds (all of a build's when it runs its tasks itself)
+    seconds = {"read": round(read - started, 3), "stores": round(time.perf_counter() - read, 3),
+               "read_cpu": round(read_cpu - cpu, 3), "stores_cpu": round(time.process_time() - read_cpu, 3)}
     return Outcome(vocab, units, [done[("shard", i)] for i in range(shards)],
                    [done[("group", j)] for j in range(groups)], seconds)
 
@@ -107,7 +119,7 @@ def _partition(work: Path, files, vocab: Vocabulary, shards: int, per_speaker: b
     units = corpus_units(files)
     found = [finished_unit(work, i) for i in range(len(units))]
     vocab_args = {"speech_offset": vocab.speech_offset, "size": vocab.size, "stop_ids": list(vocab.stop_ids),
-                  "drop_ids": list(vocab.drop_ids)}
+                  "drop_ids": list(vocab.drop_ids), "drop_non_speech": vocab.drop_non_speech}
     jobs = [(i, partition_unit, {"work": str(work), "index": i, "unit": unit, "vocab": vocab_args, "shards": shards,
                  "groups": shards, "per_speaker": per_speaker}, PARTITION_BYTES)
             for i, unit in enumerate(units) if found[i] is None]

@@ -165,3 +165,64 @@ def test_utterances_without_speech_tokens_are_skipped_with_one_warning(tmp_path,
     assert [r.getMessage() for r in caplog.records] == [
         f"{corpus}:2: utterance has no speech tokens; skipped (and 1 more utterances like it)"]
     assert ds.info()["utterances"] == 2 and ds.info()["speakers"]["s"]["utterances"] == 2
+
+
+def test_a_training_dump_keeps_only_the_speech_range_when_asked(tmp_path, caplog):
+    # Spark-TTS-like: text ids below the speech range, global tokens above it, a marker and a stop id
+    offset, size, stop, marker = 1000, 50, 999, 998
+    rows = [{"id": "a", "speaker": "s", "tokens": [5, 6, marker, 1001, 1002, 2000, 1003, stop, 7]},
+            {"id": "b", "speaker": "s", "tokens": [1004, 1005, 1006]},
+            {"id": "c", "speaker": "s", "tokens": [8, 9, 2001]}]
+    corpus = write_jsonl(tmp_path / "dump.jsonl", rows)
+    options = dict(speech_offset=offset, vocab_size=size, stop_ids=[stop], drop_ids=[marker], faiss=False,
+                   progress=False)
+    with pytest.raises(CorpusError, match=r"dump.jsonl:1: token id 5 is below the speech range .*--drop-non-speech"):
+        build(corpus, tmp_path / "refused", **options)
+    with caplog.at_level("WARNING", logger="echospec.datastore.corpus"):
+        ds = build(corpus, tmp_path / "s", drop_non_speech=True, **options)
+    assert [r.getMessage() for r in caplog.records if "speech range" in r.getMessage()] == [
+        f"{corpus}:1: 7 token ids outside the speech range 1000..1049 dropped from 2 utterances (this is the "
+        "first; drop_non_speech)"]
+    assert ds.info()["build"]["dropped_non_speech"] == {"tokens": 7, "utterances": 2}
+    stream = np.asarray(ds.shards[0].tokens)
+    sentinel = ds.shards[0].sentinel
+    # the stop id still splits "a"; "c" kept no speech and is skipped as any such utterance is
+    assert stream.tolist() == [sentinel, 1, 2, 3, sentinel, 4, 5, 6, sentinel]
+    assert ds.info()["utterances"] == 2
+    with pytest.raises(Exception, match="drop_non_speech needs vocab_size"):
+        build(corpus, tmp_path / "t", drop_non_speech=True, faiss=False, progress=False)
+
+
+def test_cli_drop_non_speech_reports_what_it_dropped(tmp_path):
+    from click.testing import CliRunner
+    from echospec.tools.cli import main
+
+    corpus = write_jsonl(tmp_path / "dump.jsonl", [{"speaker": "s", "tokens": [1, 100, 101, 300]}])
+    result = CliRunner().invoke(main, ["build", str(corpus), str(tmp_path / "s"), "--speech-offset", "100",
+                                       "--vocab-size", "50", "--drop-non-speech", "--no-faiss", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "dropped 2 ids outside the speech range from 1 utterances" in result.output
+
+
+def test_every_format_gives_the_same_store(tmp_path):
+    """JSONL, .npz and Parquet are read by different array code: the stores they give are byte-identical."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    utts = [rng.integers(0, 40, rng.integers(0, 30)).tolist() for _ in range(300)]
+    utts[5] = [40, 41]  # only stop ids
+    ids, speakers = [f"u{i}" for i in range(len(utts))], [f"s{i % 7}" for i in range(len(utts))]
+    write_jsonl(tmp_path / "c.jsonl", [{"id": i, "speaker": s, "tokens": t} for i, s, t in zip(ids, speakers, utts)])
+    np.savez(tmp_path / "c.npz", tokens=np.array([t for u in utts for t in u], np.int32),
+             lengths=np.array([len(u) for u in utts]), ids=np.array(ids), speakers=np.array(speakers))
+    pq.write_table(pa.table({"id": ids, "speaker": speakers, "tokens": utts}), tmp_path / "c.parquet",
+                   row_group_size=64)
+    stores = {}
+    for name in ("c.jsonl", "c.npz", "c.parquet"):
+        ds = build(tmp_path / name, tmp_path / name.replace(".", "-"), vocab_size=40, stop_ids=[40, 41], shards=3,
+                   workers=1, faiss=False, progress=False)
+        stores[name] = {p.relative_to(ds.root).as_posix().split("-")[0] + p.name: p.read_bytes()
+                        for p in sorted(ds.root.rglob("*.npy"))}
+        assert ds.info()["utterances"] == sum(any(t < 40 for t in u) for u in utts)
+    assert stores["c.jsonl"] == stores["c.npz"] == stores["c.parquet"]

@@ -16,6 +16,7 @@ is read in parallel too), one held-out split:
 - a projection to a 15 B-token corpus from the measured figures.
 
     python -m echospec.tools.benchmarks.bench_shards --tokens 30000000 --out bench/shards
+    python -m echospec.tools.benchmarks.bench_shards --tokens 50000000 --phases 1,4 --phases-only --out bench/phases
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ...datastore.files import atomic_file
 from ...retriever import Retriever
 from ...retriever.tree import matched_depth
 from ..bench.harness import pin_threads
+from ..corpus.resample_corpus import Resampled, resample, write_npz
 from ..corpus.synth_corpus import SynthConfig, generate
 
 THREADS = 1  # per process: the build's parallelism is its worker processes, pinned through the environment
@@ -66,6 +68,51 @@ def split_corpus(n_tokens: int, n_held: int, n_files: int, out: Path, seed: int)
     return str(out / "train-*.jsonl"), n_train, held_tokens
 
 
+def split_resampled(n_tokens: int, n_held: int, n_files: int, out: Path, seed: int):
+    """A resampled speech-like corpus (tools/corpus/resample_corpus.py: real sample tokens, perturbed) as
+    `n_files` .npz files; held-out utterances drawn from the same process but never stored."""
+    corpus = resample(n_tokens, seed)
+    starts = np.concatenate([[0], np.cumsum(corpus.lengths)])
+    rng = np.random.default_rng(seed)
+    eligible = np.flatnonzero(corpus.lengths >= 20)
+    held = np.sort(rng.choice(eligible, min(n_held, len(eligible)), replace=False))
+    keep = np.ones(len(corpus.lengths), bool)
+    keep[held] = False
+    held_tokens = [corpus.tokens[starts[i]:starts[i + 1]].astype(np.int64) for i in held]
+    token_keep = np.repeat(keep, corpus.lengths)
+    train = Resampled(corpus.tokens[token_keep], corpus.lengths[keep], corpus.speakers[keep], corpus.vocab_size)
+    write_npz(train, out, n_files, prefix="train")
+    return str(out / "train-*.npz"), int(train.lengths.sum()), held_tokens
+
+
+def phased_build(corpus: str, store: Path, shards: int, per_speaker: bool) -> dict:
+    """One build in this process with every phase timed: reading the corpus alone (the batch readers, to
+    the end), then the build (partition = reading + splitting into shard files, sort = the shard and
+    speaker-store tasks, catalog = the rest: linking the stores in, the catalog rows, the rename), then
+    opening it with --verify (every file's sha256, the catalog's integrity check)."""
+    from ...datastore.corpus import Vocabulary, corpus_files, corpus_units, read_batches
+
+    started, cpu = time.perf_counter(), time.process_time()
+    tokens = sum(len(b.tokens) for unit in corpus_units(corpus_files(corpus)) for b in read_batches(unit, Vocabulary()))
+    read, read_cpu = time.perf_counter() - started, time.process_time() - cpu
+    cpu = time.process_time()
+    built = timed_build(corpus, store, shards, per_speaker, workers=1)
+    build_cpu = time.process_time() - cpu
+    started, cpu = time.perf_counter(), time.process_time()
+    open_datastore(store, verify=True)
+    verify, verify_cpu = time.perf_counter() - started, time.process_time() - cpu
+    phases = {"read": read, "partition": built["phases"]["read"], "sort": built["phases"]["stores"],
+              "catalog": built["assemble_seconds"], "verify": verify}
+    # CPU seconds: what the phase costs a core, whatever else the machine runs (this one is shared)
+    cpu_phases = {"read": read_cpu, "partition": built["phases"].get("read_cpu", 0),
+                  "sort": built["phases"].get("stores_cpu", 0), "verify": verify_cpu}
+    cpu_phases["catalog"] = build_cpu - cpu_phases["partition"] - cpu_phases["sort"]
+    return {**built, "read_tokens": tokens, "phase_seconds": phases, "phase_cpu_seconds": cpu_phases,
+            "build_cpu_seconds": build_cpu,
+            "phase_tokens_per_s": {k: built["tokens"] / v for k, v in phases.items() if v > 0},
+            "phase_tokens_per_cpu_s": {k: built["tokens"] / v for k, v in cpu_phases.items() if v > 0}}
+
+
 def timed_build(corpus: str, store: Path, shards: int, per_speaker: bool, workers: int | None = None,
                 ray_cpus: int | None = None) -> dict:
     started = time.perf_counter()
@@ -88,7 +135,7 @@ def timed_build(corpus: str, store: Path, shards: int, per_speaker: bool, worker
     tasks = info["build_tasks"]
     return {"seconds": seconds, "phases": info["build_phases"], "tokens": info["tokens"],
             "utterances": info["utterances"],
-            "assemble_seconds": seconds - sum(info["build_phases"].values()),
+            "assemble_seconds": seconds - info["build_phases"]["read"] - info["build_phases"]["stores"],
             "tokens_per_s": info["tokens"] / seconds,
             "general_bytes_per_token": info["general_bytes_per_token"],
             "exact_bytes_per_token": info["exact_bytes"] / info["tokens"],
@@ -101,11 +148,14 @@ def timed_build(corpus: str, store: Path, shards: int, per_speaker: bool, worker
 
 
 def build_in_child(corpus: str, store: Path, shards: int, per_speaker: bool, workers: int | None = None,
-                   ray_cpus: int | None = None) -> dict:
-    """timed_build in a fresh process, so that its peak resident set is the build's own."""
-    code = ("import json; from echospec.tools.benchmarks.bench_shards import timed_build; "
-            f"print(json.dumps(timed_build({corpus!r}, __import__('pathlib').Path({str(store)!r}), {shards}, "
-            f"{per_speaker}, workers={workers}, ray_cpus={ray_cpus})))")
+                   ray_cpus: int | None = None, phased: bool = False) -> dict:
+    """timed_build (or phased_build) in a fresh process, so that its peak resident set is the build's own."""
+    call = (f"phased_build({corpus!r}, __import__('pathlib').Path({str(store)!r}), {shards}, {per_speaker})"
+            if phased else f"timed_build({corpus!r}, __import__('pathlib').Path({str(store)!r}), {shards}, "
+                           f"{per_speaker}, workers={workers}, ray_cpus={ray_cpus})")
+    code = ("import json, resource; from echospec.tools.benchmarks.bench_shards import phased_build, timed_build; "
+            f"r = {call}; r['process_peak_rss_mb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; "
+            "print(json.dumps(r))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode:
         raise click.ClickException(f"build of {store} failed:\n{done.stderr[-3000:]}")
@@ -224,14 +274,36 @@ def projection(builds: dict, memory: dict, pairs: dict) -> dict:
 @click.option("--calls", type=click.IntRange(min=100), default=10_000, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, use_ray, n_held, calls, rounds, seed):
+@click.option("--corpus", "kind", type=click.Choice(["resampled", "synth"]), default="resampled", show_default=True,
+              help="resampled: the sample's real tokens resampled and perturbed, as .npz; synth: the phrase-list "
+                   "generator, as JSONL")
+@click.option("--phases", "phase_shards", default="1,4", show_default=True,
+              help="shard counts of the builds timed phase by phase (one process each, general + speaker stores)")
+@click.option("--phases-only", is_flag=True, help="only the phase-timed builds (the largest corpora)")
+def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, use_ray, n_held, calls, rounds, seed,
+         kind, phase_shards, phases_only):
     """Build throughput against workers and proposals over shards; writes OUT/shards.json and OUT/shards.md."""
     pin_threads(THREADS)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    corpus, n_train, held = split_corpus(n_tokens, n_held, n_files, out, seed)
-    click.echo(f"corpus: {n_train} training tokens in {n_files} files, {len(held)} held-out utterances "
+    split = split_resampled if kind == "resampled" else split_corpus
+    corpus, n_train, held = split(n_tokens, n_held, n_files, out, seed)
+    click.echo(f"corpus ({kind}): {n_train} training tokens in {n_files} files, {len(held)} held-out utterances "
                f"({time.perf_counter() - started:.0f} s)")
+    phased = {}
+    for s in [int(x) for x in phase_shards.split(",") if x]:
+        phased[s] = build_in_child(corpus, out / f"store-phased-{s}", s, True, phased=True)
+        click.echo(f"phases, {s} shard{'s' * (s > 1)}: " + ", ".join(
+            f"{k} {v:.1f} s" for k, v in phased[s]["phase_seconds"].items())
+            + f"; end to end {phased[s]['tokens_per_s'] / 1e6:.2f} M tokens/s, peak {phased[s]['process_peak_rss_mb']:.0f} MB")
+        shutil.rmtree(out / f"store-phased-{s}")
+    if phases_only:
+        result = {"machine": _machine(), "corpus": kind, "corpus_tokens": n_train, "phased": phased,
+                  "seconds": time.perf_counter() - started}
+        with atomic_file(out / "phases.json") as f:
+            json.dump(result, f, indent=2)
+        click.echo(phases_markdown(result))
+        return
     workers = [int(w) for w in worker_counts.split(",")]
     builds = {}
     for mode in ["local"] + ["ray"] * use_ray:
@@ -267,17 +339,38 @@ def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, us
     for b in builds.values():
         b["speedup"] = b["tokens_per_s"] / one["tokens_per_s"]
         b["efficiency"] = b["speedup"] / b["workers"]
-    result = {"machine": {"cores": os.cpu_count(), "threads": THREADS, "python": platform.python_version(),
-                          "load_average": os.getloadavg()},
-              "corpus_tokens": n_train, "held_out": len(held), "build_shards": build_shards,
+    result = {"machine": _machine(), "corpus": kind, "phased": phased, "corpus_tokens": n_train, "held_out": len(held), "build_shards": build_shards,
               "builds": builds, "sort_pairs": pairs, "stores": stores, "task_memory": memory_fit(tasks),
               "projection": projection(builds, memory_fit(tasks), pairs),
               "seconds": time.perf_counter() - started}
     with atomic_file(out / "shards.json") as f:
         json.dump(result, f, indent=2)
     with atomic_file(out / "shards.md") as f:
-        f.write(markdown(result))
-    click.echo(markdown(result))
+        f.write(phases_markdown(result) + "\n" + markdown(result))
+    click.echo(phases_markdown(result) + "\n" + markdown(result))
+
+
+def _machine() -> dict:
+    return {"cores": os.cpu_count(), "threads": THREADS, "python": platform.python_version(),
+            "load_average": os.getloadavg()}
+
+
+def phases_markdown(result: dict) -> str:
+    lines = [f"Phases: {result['corpus_tokens'] / 1e6:.1f} M tokens ({result['corpus']}), one process, general + "
+             "speaker stores; seconds (M tokens/s)", "",
+             "| shards | clock | read | partition | sort | catalog | verify | build end to end | peak RSS |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for s, b in result["phased"].items():
+        for clock, seconds, rate in (("wall", "phase_seconds", "phase_tokens_per_s"),
+                                     ("CPU", "phase_cpu_seconds", "phase_tokens_per_cpu_s")):
+            if seconds not in b:
+                continue
+            cells = [f"{b[seconds][k]:.1f} ({b[rate].get(k, 0) / 1e6:.1f})"
+                     for k in ("read", "partition", "sort", "catalog", "verify")]
+            total = b["seconds"] if clock == "wall" else b["build_cpu_seconds"]
+            lines.append(f"| {s} | {clock} | " + " | ".join(cells) + f" | {total:.1f} ({b['tokens'] / total / 1e6:.2f}) | "
+                         f"{b['process_peak_rss_mb']:.0f} MB ({b['process_peak_rss_mb'] * 2**20 / b['tokens']:.0f} B/token) |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(result: dict) -> str:

@@ -39,6 +39,9 @@ from ..commands import fail_cleanly
               help="Raw id that ends speech (repeatable); never stored (CosyVoice 2: 6561 6562 6563).")
 @click.option("--drop-id", "drop_ids", multiple=True, type=int,
               help="Raw marker id removed wherever it occurs (repeatable; LLaSA: 128260).")
+@click.option("--drop-non-speech", is_flag=True,
+              help="Remove ids outside the speech range (text, global or time tokens of a training dump) instead of "
+                   "refusing them; says how many. Needs --vocab-size.")
 @click.option("--codebooks", default=1, show_default=True, type=click.IntRange(1),
               help="Interleaved codebooks in the speech ids, cycling in order (Orpheus: 7).")
 @click.option("--n-min", default=N_MIN, show_default=True, type=int, help="Shortest context suffix matched.")
@@ -53,7 +56,7 @@ from ..commands import fail_cleanly
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @fail_cleanly
 def build(corpus, store, per_speaker, faiss, embeddings, faiss_dim, faiss_max_vectors, speech_offset, vocab_size,
-          stop_ids, drop_ids, codebooks, n_min, n_max, shards, ray_address, workers, force, quiet):
+          stop_ids, drop_ids, drop_non_speech, codebooks, n_min, n_max, shards, ray_address, workers, force, quiet):
     """Build datastore STORE from CORPUS files or globs (.jsonl, a .jsonl manifest of .npy files, .npz,
     .parquet)."""
     started = time.perf_counter()
@@ -61,6 +64,7 @@ def build(corpus, store, per_speaker, faiss, embeddings, faiss_dim, faiss_max_ve
                          speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
                          drop_ids=drop_ids, codebooks=codebooks, n_min=n_min, n_max=n_max, shards=shards,
                          ray=ray_address, workers=workers, force=force, progress=not quiet,
+                         drop_non_speech=drop_non_speech,
                          faiss_options={k: v for k, v in (("dim", faiss_dim), ("max_vectors", faiss_max_vectors))
                                         if v is not None})
     info = ds.info()
@@ -69,6 +73,9 @@ def build(corpus, store, per_speaker, faiss, embeddings, faiss_dim, faiss_max_ve
                + f", {len(info['speakers'])} speaker stores, {info['general_bytes_per_token']} B/token general"
                + (f", FAISS {info['faiss_bytes'] / 1e6:.1f} MB" if ds.has_faiss else "")
                + f" in {time.perf_counter() - started:.1f} s")
+    dropped = info["build"].get("dropped_non_speech")
+    if dropped is not None:
+        click.echo(f"dropped {dropped['tokens']} ids outside the speech range from {dropped['utterances']} utterances")
 
 
 @click.command()
