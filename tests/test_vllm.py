@@ -157,11 +157,9 @@ def test_sampling_stays_within_the_vocabulary_rules(cosyvoice):
                "allowed_token_ids": allowed} for i in range(len(prompts))]
     with Engine(model, spec(4), {"echospec": {"store": store}}) as echo:
         first = echo.generate(prompts, params)
-        again = echo.generate(prompts, params)
     for tokens in first["tokens"]:
         assert tokens and all(t < COSY_SPEECH for t in tokens[:-1]) and set(tokens) <= set(allowed)
-    assert first["tokens"] == again["tokens"]  # seeded requests: the same draws
-    assert first["spec"]["vllm:spec_decode_num_drafts"] > 0
+    assert first["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
 def test_a_dead_service_leaves_the_engine_generating_the_same_tokens(cosyvoice):
