@@ -55,7 +55,7 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
     assert systems["ar-sampling"]["mel_distortion"] is not None
     # the verify-cost curve spans every tree size run, and what it predicts is 1 for autoregressive systems
     curve = report["verify_cost_curve"]
-    assert curve["sizes"][0] == 0 and curve["sizes"][-1] == 64 and curve["relative"][0] == 1.0  # default: auto
+    assert curve["sizes"][0] == 0 and curve["sizes"][-1] == 8 and curve["relative"][0] == 1.0  # auto: caps 0, 4, 8
     assert curve["relative"] == sorted(curve["relative"]) and curve["context_tokens"] > 0
     assert systems["autoregressive"]["forward_cost_speedup"] == systems["ar-sampling"]["forward_cost_speedup"] == 1.0
     # two utterances are too few for "auto" to settle, and the table says so; a pinned budget needs no such note
@@ -78,10 +78,10 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
     # identical lossless outputs report no divergence; what the auto budget measured per cap is in the report
     assert systems["exact-greedy/speaker"]["divergences"] == []
     auto = report["auto_budgets"]["exact-greedy/speaker"]
-    assert sum(auto["steps"].values()) > 0 and auto["fastest"] in (0, 4, 8, 16, 32, 64)
+    assert sum(auto["utterances"].values()) > 0 and auto["fastest"] in (0, 4, 8)
     # and the cap each of its steps ran, per utterance (fixed budgets keep none)
     runs = report["utterances"]["exact-greedy/speaker"]
-    assert all(len(r["caps"]) == r["forwards"] - 1 and set(r["caps"]) <= {0, 4, 8, 16, 32, 64} for r in runs)
+    assert all(len(r["caps"]) == r["forwards"] - 1 and set(r["caps"]) <= {0, 4, 8} for r in runs)
     assert "caps" not in report["utterances"]["exact-sampling/speaker/n4d8"][0]
     # "auto" against the budgets swept beside it, paired by utterance: the same median as computed here
     against = report["auto_against_fixed"]
@@ -146,7 +146,7 @@ def test_demo_builds_queries_and_benchmarks(tmp_path):
     assert result.exit_code == 0, result.output
     assert "speaker stores" in result.output and "candidate nodes" in result.output
     printed = " ".join(result.output.split())
-    assert "first 10 utterances measure its caps, so over 1 its figures are mostly that measuring" in printed
+    assert "utterances measure its caps, so over 1 its figures are mostly that measuring" in printed
     report = json.loads((out / "bench.json").read_text())
     assert {"filtered/speaker", "tolerance/general", "similarity/speaker"} <= set(report["systems"])
     assert (out / "store" / "catalog.sqlite").exists() and (out / "bench.png").exists()
