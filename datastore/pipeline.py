@@ -118,6 +118,9 @@ def _partition(work: Path, files, vocab: Vocabulary, shards: int, per_speaker: b
                progress: bool) -> list[dict]:
     units = corpus_units(files)
     found = [finished_unit(work, i) for i in range(len(units))]
+    for i in range(len(units)):  # a unit that does not verify is read again: its directory goes first
+        if found[i] is None:
+            shutil.rmtree(work / "parts" / f"unit-{i:06d}", ignore_errors=True)
     vocab_args = {"speech_offset": vocab.speech_offset, "size": vocab.size, "stop_ids": list(vocab.stop_ids),
                   "drop_ids": list(vocab.drop_ids), "drop_non_speech": vocab.drop_non_speech}
     jobs = [(i, partition_unit, {"work": str(work), "index": i, "unit": unit, "vocab": vocab_args, "shards": shards,
