@@ -28,6 +28,7 @@ from numba import njit
 
 from .remote import RemoteRetriever, RetrieverUnavailable
 from .retriever import Retriever
+from .tree import matched_path
 
 log = logging.getLogger("echospec.drafts")
 
@@ -122,14 +123,7 @@ def path_probability(tree, sequence) -> float:
     to win on it. 0 for a missing tree."""
     if tree is None:
         return 0.0
-    node, total = -1, 0.0
-    for token in sequence:
-        hit = np.flatnonzero((tree.parents == node) & (tree.tokens == token))
-        if not len(hit):
-            break
-        node = int(hit[0])
-        total += float(tree.probs[node])
-    return total
+    return float(tree.probs[matched_path(tree.tokens, tree.parents, sequence)].sum())
 
 
 class PromptMemory:

@@ -65,16 +65,22 @@ def _gather(keep, tokens, parents, depths, counts, probs, sources):
     return tokens[keep], kept_parents, depths[keep], counts[keep], probs[keep], sources[keep]
 
 
-def matched_depth(tokens: np.ndarray, parents: np.ndarray, sequence) -> int:
-    """Length of the longest root path of the tree (`tokens`, `parents`) equal to a prefix of `sequence`:
-    what an exact verifier would accept if `sequence` is what the target says next."""
-    node, depth = -1, 0
+def matched_path(tokens: np.ndarray, parents: np.ndarray, sequence) -> list[int]:
+    """Node indices of the longest root path of the tree (`tokens`, `parents`) equal to a prefix of
+    `sequence`: what an exact verifier would accept if `sequence` is what the target says next."""
+    path, node = [], -1
     for token in sequence:
         hit = np.flatnonzero((parents == node) & (tokens == token))
         if not len(hit):
             break
-        node, depth = int(hit[0]), depth + 1
-    return depth
+        node = int(hit[0])
+        path.append(node)
+    return path
+
+
+def matched_depth(tokens: np.ndarray, parents: np.ndarray, sequence) -> int:
+    """Length of matched_path: how many tokens of `sequence` an exact verifier would accept."""
+    return len(matched_path(tokens, parents, sequence))
 
 
 @dataclass(frozen=True, eq=False)

@@ -136,7 +136,7 @@ def trees_against_chains(store: Path, meta, rows: list[dict], outputs: list[list
     """What tree verification would add: replay each greedy output step by step, as an engine that accepts
     the longest matching prefix would, once sending echospec's chain and once its whole tree (the Hugging
     Face path's verification); tokens per step of each, the speaker store chosen by the speaker's token."""
-    from echospec.retriever import CandidateTree, Retriever
+    from echospec.retriever import Retriever
     from echospec.retriever.drafts import TOKEN_COST, best_chain
 
     retriever = Retriever(store)
@@ -154,8 +154,8 @@ def trees_against_chains(store: Path, meta, rows: list[dict], outputs: list[list
                     if kind == "tree":
                         accepted = tree.matched_depth(speech[p:])
                     else:
-                        chain = tree.tokens[best_chain(tree.parents, tree.probs, TOKEN_COST)].tolist()
-                        accepted = CandidateTree.from_sequences([chain], max_depth=k).matched_depth(speech[p:])
+                        chain = tree.subtree(best_chain(tree.parents, tree.probs, TOKEN_COST))
+                        accepted = chain.matched_depth(speech[p:])
                 p += accepted + 1
                 steps[kind] += 1
     return {kind: round(tokens / n, 3) for kind, n in steps.items()}
