@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .drafts import TOKEN_COST, ChainDrafter
+from .drafts import DRAFT_WEIGHTS, TOKEN_COST, ChainDrafter
 
 log = logging.getLogger("echospec.vllm")
 
@@ -39,6 +39,8 @@ OPTIONS = {
     "step_timeout": "seconds one step may spend drafting; rows not served by then get none (default 0.05)",
     "speech_offset": "model id of the store's speech id 0 (default: the store's own, from its catalog)",
     "max_nodes": "the retriever's node budget per tree (default: the store's)",
+    "weights": f"[prompt, speaker, general, faiss] source weights (with store; default {list(DRAFT_WEIGHTS)}; a "
+               "service applies those of `echospec serve --weights`)",
 }
 RETRY_AFTER = 30.0  # seconds before a drafter that failed to start is tried again
 
@@ -114,6 +116,8 @@ def read_options(additional_config) -> dict:
         raise ValueError(f"unknown echospec option(s) {unknown}; known: {sorted(OPTIONS)}")
     if ("store" in options) == ("url" in options) or ("url" in options) != ("store_name" in options):
         raise ValueError('echospec options need "store", or "url" with "store_name"')
+    if "weights" in options and "url" in options:
+        raise ValueError('"weights" applies to an in-process store; a service uses `echospec serve --weights`')
     return options
 
 
@@ -124,7 +128,7 @@ def make_drafter(options: dict, k: int) -> ChainDrafter:
         retriever = RemoteRetriever(options["url"], options["store_name"], timeout=float(options.get("timeout", 0.05)))
     else:
         from .retriever import Retriever
-        retriever = Retriever(options["store"])
+        retriever = Retriever(options["store"], weights=tuple(options.get("weights", DRAFT_WEIGHTS)))
     settings = {key: options[key] for key in ("speaker", "speaker_tokens", "min_speech", "token_cost",
                                                "step_timeout", "speech_offset", "max_nodes") if key in options}
     return ChainDrafter(retriever, k=k, **settings)

@@ -6,14 +6,16 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import time
 
 import numpy as np
 import pytest
-from service_testing import Server, make_store, post_json
+from service_testing import ECHOSPEC, Server, make_store, post_json
 
 from echospec.retriever import RemoteRetriever, Retriever, RetrieverUnavailable
-from echospec.retriever.drafts import ChainDrafter, PromptMemory, SpeakerChoice, best_chain, contains
+from echospec.retriever.drafts import DRAFT_WEIGHTS, ChainDrafter, PromptMemory, SpeakerChoice, best_chain, contains
+from echospec.retriever.vllm_proposer import make_drafter, read_options
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +169,22 @@ def test_bad_settings_are_refused(retriever):
         ChainDrafter(retriever, speaker="nobody")
     with pytest.raises(ValueError, match="k >= 1"):
         ChainDrafter(retriever, k=0)
+
+
+def test_the_proposer_weighs_sources_alike_in_process_and_over_the_service(built, retriever):
+    store, corpus = built
+    # each history says its first tokens again: the request's own context and the store disagree on what follows
+    histories = [np.array(u["tokens"][:40] + v["tokens"][:10] + u["tokens"][:6]) for u, v in zip(corpus, corpus[12:24])]
+    local = make_drafter(read_options({"echospec": {"store": str(store), "step_timeout": 5.0}}), 8)
+    assert tuple(local.retriever.weights) == DRAFT_WEIGHTS
+    plain = ChainDrafter(retriever, k=8, step_timeout=5.0)  # the retriever's own weights
+    assert local.propose(histories) != plain.propose(histories)  # the weights change some chains here
+    weights = ",".join(map(str, DRAFT_WEIGHTS))
+    with Server(store, args=("--weights", weights)) as server:
+        remote = make_drafter(read_options({"echospec": {"url": server.url, "store_name": "store", "timeout": 5.0,
+                                                         "step_timeout": 5.0}}), 8)
+        assert remote.propose(histories) == local.propose(histories)
+    with pytest.raises(ValueError, match="echospec serve --weights"):
+        read_options({"echospec": {"url": "http://127.0.0.1:1", "store_name": "store", "weights": [1, 1, 1, 1]}})
+    refused = subprocess.run([ECHOSPEC, "serve", str(store), "--weights", "1,2"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "four non-negative numbers" in refused.stderr

@@ -7,11 +7,15 @@ prompts, at batch 1, 8 and 32, greedy and sampling, k = 4 and 8.
     python -m echospec.tools.benchmarks.vllm_side_by_side --rounds 1 --ks 8 --batches 1,8 --out /tmp/v
 
 Every system's engine starts once per k (a worker process each, see vllm_engines) and the systems then
-take turns, round after round, in an order rotated each round, over the same prompts. Reported per cell:
+take turns, round after round, in an order rotated each round. All systems of a cell get the same prompts,
+and no (speaker, text) prompt is met twice in a run (see prompt_pool): SuffixDecoding caches every output it
+served, and would otherwise replay its own earlier answer to a repeated prompt. Reported per cell:
 tokens per step from vLLM's own spec-decode counters (generated / (generated - accepted)), draft tokens
 verified and accepted per output token, and throughput as the median over rounds of each round's ratio
 to no speculation (with min and max); greedy rows must equal no speculation's, token for token. Batch 1
-runs 8 prompts one at a time; batch B runs B prompts at once. Writes vllm.json, vllm.md and vllm.png.
+runs 8 prompts one at a time; batch B runs B prompts at once. Then no speculation's greedy outputs are
+replayed offline (replay_drafters): what echospec's chain, its whole tree, SuffixDecoding's draft and the
+better of chain and suffix at each step would accept. Writes vllm.json, vllm.md and vllm.png.
 """
 
 from __future__ import annotations
@@ -71,6 +75,27 @@ def sampling(mode: str, meta, n: int, max_tokens: int) -> list[dict]:
     return [{**base, "temperature": 1.0, "seed": i} for i in range(n)]
 
 
+def prompt_pool(rows: list[dict], speakers: list[str]):
+    """Distinct (speaker, text) prompts, held-out texts only: first the held-out prompts as they are, then each
+    text said by the next speaker, and so on. A text may come back with another speaker (production traffic
+    repeats texts across voices, as the sample corpus does), a (speaker, text) pair never."""
+    texts = list(dict.fromkeys(r["text"] for r in rows))
+    first_speaker = {}
+    for r in rows:
+        first_speaker.setdefault(r["text"], speakers.index(r["speaker"]))
+    seen = set()
+    for r in rows:
+        if (r["speaker"], r["text"]) not in seen:
+            seen.add((r["speaker"], r["text"]))
+            yield {"speaker": r["speaker"], "text": r["text"]}
+    for shift in range(1, len(speakers)):
+        for text in texts:
+            speaker = speakers[(first_speaker[text] + shift) % len(speakers)]
+            if (speaker, text) not in seen:
+                seen.add((speaker, text))
+                yield {"speaker": speaker, "text": text}
+
+
 def run_cell(engine: Engine, prompts: list[list[int]], params: list[dict], batch: int) -> dict:
     """All prompts, `batch` at a time: tokens per prompt, seconds, and the summed spec counters."""
     tokens, seconds, spec = [], 0.0, {}
@@ -84,13 +109,16 @@ def run_cell(engine: Engine, prompts: list[list[int]], params: list[dict], batch
 
 
 def serve(store: Path) -> tuple[subprocess.Popen, str]:
-    """`echospec serve STORE` on a free loopback port; (process, url) once it answers."""
+    """`echospec serve STORE` on a free loopback port, weighing sources as the in-process proposer does;
+    (process, url) once it answers."""
     import socket
     import urllib.request
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [str(Path(sys.executable).with_name("echospec")), "serve", str(store), "--port", str(port)]
+    from echospec.retriever.drafts import DRAFT_WEIGHTS  # the in-process proposer's weights, for a fair comparison
+    command = [str(Path(sys.executable).with_name("echospec")), "serve", str(store), "--port", str(port),
+               "--weights", ",".join(map(str, DRAFT_WEIGHTS))]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     for _ in range(9000):  # numba compiles the kernels first where its cache is cold: minutes on a busy machine
@@ -132,33 +160,58 @@ def summarise(records: list[dict]) -> list[dict]:
     return rows
 
 
-def trees_against_chains(store: Path, meta, rows: list[dict], outputs: list[list[int]], k: int) -> dict:
-    """What tree verification would add: replay each greedy output step by step, as an engine that accepts
-    the longest matching prefix would, once sending echospec's chain and once its whole tree (the Hugging
-    Face path's verification); tokens per step of each, the speaker store chosen by the speaker's token."""
+def replay_drafters(store: Path, meta, runs: list[tuple[list[int], list[int]]], k: int) -> dict:
+    """Tokens per step each drafter would give on these greedy (prompt, output) runs, replayed in order as an
+    engine that keeps the longest accepted prefix would: echospec's chain (general store, as the proposer
+    sends it), the retriever's whole tree at its defaults (what the Hugging Face path verifies), SuffixDecoding's draft (arctic-inference's
+    cache as vLLM drives it, earlier outputs cached) and, per step, the better of the chain and suffix's draft
+    (an oracle: no proposer knows which one will be accepted)."""
     from echospec.retriever import Retriever
-    from echospec.retriever.drafts import TOKEN_COST, best_chain
-
+    from echospec.retriever.drafts import local_speech
+    from echospec.retriever.vllm_proposer import make_drafter
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+        cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
+    except ImportError:  # suffix's rows are left out
+        cache = None
     retriever = Retriever(store)
-    steps = {"chain": 0, "tree": 0}
-    tokens = 0
-    for row, output in zip(rows, outputs):
-        speech = [t - meta.speech_offset for t in output if t != meta.stop_id]
+    drafter = make_drafter({"store": str(store), "speaker": None, "speech_offset": meta.speech_offset}, k)
+    kinds = ("chain", "tree") + (("suffix", "better of chain and suffix") if cache is not None else ())
+    tokens, steps = 0, dict.fromkeys(kinds, 0)
+    for request, (prompt, output) in enumerate(runs):
+        # accepted[kind][p]: what the kind's draft would accept once p output tokens are known
+        accepted = {kind: np.zeros(len(output), np.int64) for kind in kinds}
+        if cache is not None:
+            cache.start_request(request, np.array(prompt, np.int32))
+        for p in range(1, len(output)):
+            history = np.array(prompt + output[:p], np.int64)
+            tree = retriever.propose(local_speech(history, meta.speech_offset, meta.speech_vocab_size), None,
+                                     max_depth=k)
+            accepted["tree"][p] = tree.matched_depth(np.array(output[p:]) - meta.speech_offset)
+            accepted["chain"][p] = prefix_length(drafter.propose([history])[0], output[p:])
+            if cache is not None:
+                cache.add_active_response(request, [output[p - 1]])
+                draft = cache.speculate(request, np.ascontiguousarray(history[-24:], np.int32), max_spec_tokens=k,
+                                        max_spec_factor=1.0, min_token_prob=0.1)  # vLLM's defaults
+                accepted["suffix"][p] = prefix_length(draft.token_ids, output[p:])
+                accepted["better of chain and suffix"][p] = max(accepted["chain"][p], accepted["suffix"][p])
+        if cache is not None:
+            cache.stop_request(request)
         tokens += len(output)
-        for kind in steps:
+        for kind in kinds:
             p = 0
             while p < len(output):
-                tree = retriever.propose(np.array(speech[:p], np.int64), row["speaker"], max_depth=k) if p else None
-                accepted = 0
-                if tree is not None and len(tree):
-                    if kind == "tree":
-                        accepted = tree.matched_depth(speech[p:])
-                    else:
-                        chain = tree.subtree(best_chain(tree.parents, tree.probs, TOKEN_COST))
-                        accepted = chain.matched_depth(speech[p:])
-                p += accepted + 1
+                p += 1 + accepted[kind][p]
                 steps[kind] += 1
-    return {kind: round(tokens / n, 3) for kind, n in steps.items()}
+    return {kind: round(tokens / max(n, 1), 3) for kind, n in steps.items()}
+
+
+def prefix_length(draft, truth) -> int:
+    """How many of `draft`'s first tokens `truth` begins with: what an engine accepts of it under greedy."""
+    n = 0
+    while n < len(draft) and n < len(truth) and draft[n] == truth[n]:
+        n += 1
+    return n
 
 
 def table(rows: list[dict]) -> str:
@@ -197,14 +250,14 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_report(out: Path, summary: list[dict], oracle: dict | None, rounds: int, prompts: int,
-                 max_tokens: int) -> str:
+def write_report(out: Path, summary: list[dict], replay: dict | None, rounds: int, max_tokens: int) -> str:
     """vllm.json, vllm.md and vllm.png under `out`; returns the table."""
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, one engine thread"
     (out / "vllm.json").write_text(json.dumps({"machine": machine, "rows": summary, "rounds": rounds,
-                                               "trees_against_chains": oracle, "prompts": prompts,
-                                               "max_tokens": max_tokens}, indent=1))
+                                               "replayed_greedy": replay, "max_tokens": max_tokens}, indent=1))
     text = table(summary)
+    if replay:
+        text += "\n\nGreedy outputs replayed, tokens per step: " + ", ".join(f"{k} {v:.2f}" for k, v in replay.items())
     (out / "vllm.md").write_text(text + "\n")
     plot(summary, out / "vllm.png")
     return text
@@ -215,7 +268,6 @@ def write_report(out: Path, summary: list[dict], oracle: dict | None, rounds: in
               help="An echospec TTS checkpoint (its echospec_tts.json names the speech ids).")
 @click.option("--store", "store_dir", type=click.Path(file_okay=False), default=None,
               help="A datastore of the model's speech; default: built from the sample corpus into --out.")
-@click.option("--prompts", "n_prompts", default=32, show_default=True, help="Held-out prompts per cell.")
 @click.option("--batches", default="1,8,32", show_default=True, help="Requests generated at once.")
 @click.option("--ks", default="4,8", show_default=True, help="num_speculative_tokens values.")
 @click.option("--modes", default="greedy,sampling", show_default=True)
@@ -223,13 +275,12 @@ def write_report(out: Path, summary: list[dict], oracle: dict | None, rounds: in
 @click.option("--rounds", default=3, show_default=True, help="Rounds; each runs every system once per cell.")
 @click.option("--max-tokens", default=300, show_default=True, help="Longest output per prompt.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/vllm", show_default=True)
-def main(model_dir, store_dir, n_prompts, batches, ks, modes, systems, rounds, max_tokens, out_dir):
+def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, out_dir):
     from ..corpus.tts_prompt import TTSMeta, encode_prompt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = TTSMeta.load(model_dir)
-    rows = [json.loads(line) for line in open(SAMPLE_DIR / "prompts.jsonl")][:n_prompts]
-    prompts = [encode_prompt(meta, r["text"], r["speaker"]) for r in rows]
+    pool = prompt_pool([json.loads(line) for line in open(SAMPLE_DIR / "prompts.jsonl")], meta.speakers)
     store = Path(store_dir) if store_dir else out / "voices"
     if not store.exists():
         from echospec.datastore import build
@@ -250,14 +301,15 @@ def main(model_dir, store_dir, n_prompts, batches, ks, modes, systems, rounds, m
                     order = systems[r % len(systems):] + systems[:r % len(systems)]
                     for batch in map(int, batches.split(",")):
                         for mode in modes.split(","):
-                            cell_prompts = prompts[:8] if batch == 1 else prompts[:batch]
-                            params = sampling(mode, meta, len(cell_prompts), max_tokens)
+                            cell = [next(pool) for _ in range(8 if batch == 1 else batch)]
+                            prompts = [encode_prompt(meta, p["text"], p["speaker"]) for p in cell]
+                            params = sampling(mode, meta, len(prompts), max_tokens)
                             for system in order:
-                                result = run_cell(engines[system], cell_prompts, params, batch)
+                                result = run_cell(engines[system], prompts, params, batch)
                                 records.append({"k": k, "batch": batch, "mode": mode, "system": system,
-                                                "round": r, **result})
+                                                "round": r, "prompts": prompts, **result})
                             click.echo(f"  round {r + 1}/{rounds} batch {batch} {mode} done", err=True)
-                    write_report(out, summarise(records), None, rounds, len(prompts), max_tokens)  # so far
+                    write_report(out, summarise(records), None, rounds, max_tokens)  # so far
             finally:
                 for engine in engines.values():
                     engine.close()
@@ -265,13 +317,13 @@ def main(model_dir, store_dir, n_prompts, batches, ks, modes, systems, rounds, m
         if service is not None:
             service.terminate()
     summary = summarise(records)
-    greedy_base = [r for r in records if r["system"] == "none" and r["mode"] == "greedy" and r["round"] == 0]
-    oracle = None
-    if greedy_base:
-        first = max(greedy_base, key=lambda r: len(r["tokens"]))
-        oracle = trees_against_chains(store, meta, rows[:len(first["tokens"])], first["tokens"], max(map(int, ks.split(","))))
-        click.echo(f"replayed greedy outputs, tokens per step: chain {oracle['chain']}, tree {oracle['tree']}", err=True)
-    text = write_report(out, summary, oracle, rounds, len(prompts), max_tokens)
+    runs = [(prompt, output) for r in records if r["system"] == "none" and r["mode"] == "greedy"
+            for prompt, output in zip(r["prompts"], r["tokens"])]
+    replay = None
+    if runs:
+        replay = replay_drafters(store, meta, runs, max(map(int, ks.split(","))))
+        click.echo(f"greedy outputs replayed, tokens per step: {replay}", err=True)
+    text = write_report(out, summary, replay, rounds, max_tokens)
     click.echo(text)
 
 
