@@ -123,7 +123,7 @@ def recover_dir(target: Path) -> None:
 
 
 def crash_point(name: str) -> None:
-    """Test hook: SIGKILL this process here if ECHOSPEC_CRASH_AT names this point (tests/test_faults.py kills
+    """Test hook: SIGKILL this process here if ECHOSPEC_CRASH_AT names this point (tests/datastore/test_faults.py kills
     builds and enrollments at each of their renames this way). Costs one environment look-up."""
     if os.environ.get("ECHOSPEC_CRASH_AT") == name:
         os.kill(os.getpid(), signal.SIGKILL)

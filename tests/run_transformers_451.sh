@@ -14,5 +14,5 @@ fi
 "$venv/bin/python" -m pip install -q -e '.[decoder]' 'transformers==4.51.3' 'pytest>=8' 'pytest-timeout>=2.3' 'ftfy>=6'
 "$venv/bin/python" -c "import transformers; assert transformers.__version__ == '4.51.3', transformers.__version__"
 exec "$venv/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider \
-    tests/test_decoder_greedy.py tests/test_decoder_sampling.py tests/test_attach.py tests/test_presets.py \
-    tests/test_codebooks.py "$@"
+    tests/decoder/test_decoder_greedy.py tests/decoder/test_decoder_sampling.py tests/decoder/test_attach.py \
+    tests/decoder/test_presets.py tests/datastore/test_codebooks.py "$@"

@@ -4,7 +4,7 @@ classes (private) inside fast_http.py, the one module written for a given uvicor
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 WEB = ("fastapi", "starlette", "uvicorn", "prometheus_client", "pydantic", "uvloop")
 
 
