@@ -38,8 +38,8 @@ from .errors import DamagedStoreError, DatastoreError, one_line
 from .exact import ExactStore, load_npy, save_npy
 
 DIM = 16
-WINDOW = 4
-DECAY = 0.75
+CONTEXT_WINDOW = 4
+CONTEXT_DECAY = 0.75
 MAX_VECTORS = 200_000
 FLAT_MAX = 8_192
 NPROBE = 8
@@ -166,7 +166,7 @@ def _cooccurrence_projection(stream, projection, reach):
 
 
 def context_vectors(stream: np.ndarray, positions: np.ndarray, table: np.ndarray, sentinel: int,
-                    window: int = WINDOW, decay: float = DECAY) -> np.ndarray:
+                    window: int = CONTEXT_WINDOW, decay: float = CONTEXT_DECAY) -> np.ndarray:
     """float32[len(positions), window * dim]: recency-weighted embeddings of the last `window`
     tokens up to each position, zero past an utterance boundary, L2-normalised."""
     vocab, dim = table.shape
@@ -183,7 +183,7 @@ def context_vectors(stream: np.ndarray, positions: np.ndarray, table: np.ndarray
 
 
 def write_faiss_store(directory: Path, shard_dirs: list[Path], vocab_size: int, embeddings=None,
-                      speech_offset: int = 0, dim: int = DIM, window: int = WINDOW,
+                      speech_offset: int = 0, dim: int = DIM, window: int = CONTEXT_WINDOW,
                       max_vectors: int = MAX_VECTORS, flat_max: int = FLAT_MAX) -> dict:
     """Build the FAISS store of the general exact store, whose shards are in `shard_dirs`; returns its
     catalog params. A vector's id is `shard << 32 | position in that shard's stream`."""
@@ -202,7 +202,7 @@ def write_faiss_store(directory: Path, shard_dirs: list[Path], vocab_size: int, 
     directory.mkdir(parents=True, exist_ok=True)
     faiss.write_index(index, str(directory / "index.faiss"))
     save_npy(directory / "embeddings.npy", table)
-    return {"vectors": len(ids), "index": kind, "dim": dim, "window": window, "decay": DECAY,
+    return {"vectors": len(ids), "index": kind, "dim": dim, "window": window, "decay": CONTEXT_DECAY,
             "nprobe": NPROBE, "embeddings": source}
 
 
@@ -258,8 +258,8 @@ class FaissStore:
         except RuntimeError as e:
             raise DamagedStoreError(f"{directory}: cannot read FAISS index: {str(e).splitlines()[0]}") from None
         try:
-            self.window = int(params.get("window", WINDOW))
-            self.scales = (float(params.get("decay", DECAY)) ** np.arange(self.window)).astype(np.float32)
+            self.window = int(params.get("window", CONTEXT_WINDOW))
+            self.scales = (float(params.get("decay", CONTEXT_DECAY)) ** np.arange(self.window)).astype(np.float32)
             if hasattr(self.index, "nprobe"):
                 self.index.nprobe = int(params.get("nprobe", NPROBE))
         except (TypeError, ValueError, OverflowError):

@@ -33,14 +33,16 @@ hold an out-of-range entry."""
 # `gather_settings`. One int64 array rather than ten arguments: numba dispatches a call by the types of
 # its arguments, and each argument (more so a keyword one, or a namedtuple's every field) costs the hot
 # call time; measured side by side, keywords cost propose ~4% at p50, a namedtuple ~5%, this array nothing.
-USE_PROMPT, N_MIN, N_MAX, PROMPT_N_MIN, MIN_SUPPORT, CAP, WINDOW, EXTRA_ROWS, VOCAB_SIZE = range(9)
+SETTING_USE_PROMPT, SETTING_N_MIN, SETTING_N_MAX, SETTING_PROMPT_N_MIN, SETTING_MIN_SUPPORT, SETTING_CAP, \
+    SETTING_PROMPT_WINDOW, SETTING_EXTRA_ROWS, SETTING_VOCAB_SIZE = range(9)
 
 
 def gather_settings(*, use_prompt: bool, n_min: int, n_max: int, prompt_n_min: int, min_support: int, cap: int,
-                    window: int, extra_rows: int, vocab_size: int) -> np.ndarray:
+                    prompt_window: int, extra_rows: int, vocab_size: int) -> np.ndarray:
     """gather_exact's `settings`: the values by name, in their columns."""
-    values = {USE_PROMPT: use_prompt, N_MIN: n_min, N_MAX: n_max, PROMPT_N_MIN: prompt_n_min,
-              MIN_SUPPORT: min_support, CAP: cap, WINDOW: window, EXTRA_ROWS: extra_rows, VOCAB_SIZE: vocab_size}
+    values = {SETTING_USE_PROMPT: use_prompt, SETTING_N_MIN: n_min, SETTING_N_MAX: n_max,
+              SETTING_PROMPT_N_MIN: prompt_n_min, SETTING_MIN_SUPPORT: min_support, SETTING_CAP: cap,
+              SETTING_PROMPT_WINDOW: prompt_window, SETTING_EXTRA_ROWS: extra_rows, SETTING_VOCAB_SIZE: vocab_size}
     return np.array([int(values[column]) for column in range(len(values))], np.int64)
 
 
@@ -59,9 +61,9 @@ def context_is_valid(ctx, vocab_size):
 # alive. Addresses rather than a list of arrays: reading a shard's array from a numba typed list costs
 # ~25 ns a time, more than a binary-search step; from the table it is a pointer and a length, and the
 # call passes five arrays however many shards there are.
-TOKENS, TOKENS_LEN, SA, SA_LEN, FIRST, FIRST_LEN = 0, 1, 2, 3, 4, 5
-INDEX, INDEX_ROWS, INDEX_STEP, INDEX_DEPTH, INDEX_BITS, INDEX_WORDS = 6, 7, 8, 9, 10, 11
-TABLE_COLUMNS = 12
+SHARD_TOKENS, SHARD_TOKENS_LEN, SHARD_SA, SHARD_SA_LEN, SHARD_FIRST, SHARD_FIRST_LEN = 0, 1, 2, 3, 4, 5
+SHARD_INDEX, SHARD_INDEX_ROWS, SHARD_INDEX_STEP, SHARD_INDEX_DEPTH, SHARD_INDEX_BITS, SHARD_INDEX_WORDS = range(6, 12)
+SHARD_COLUMNS = 12
 
 
 @intrinsic
@@ -74,22 +76,23 @@ def _pointer(typingctx, address, like):
 
 @njit(cache=True, nogil=True, inline="always")
 def shard_tokens(store, s):
-    return carray(_pointer(store[0][s, TOKENS], store[1]), store[0][s, TOKENS_LEN])
+    return carray(_pointer(store[0][s, SHARD_TOKENS], store[1]), store[0][s, SHARD_TOKENS_LEN])
 
 
 @njit(cache=True, nogil=True, inline="always")
 def shard_sa(store, s):
-    return carray(_pointer(store[0][s, SA], store[2]), store[0][s, SA_LEN])
+    return carray(_pointer(store[0][s, SHARD_SA], store[2]), store[0][s, SHARD_SA_LEN])
 
 
 @njit(cache=True, nogil=True, inline="always")
 def shard_first(store, s):
-    return carray(_pointer(store[0][s, FIRST], store[3]), store[0][s, FIRST_LEN])
+    return carray(_pointer(store[0][s, SHARD_FIRST], store[3]), store[0][s, SHARD_FIRST_LEN])
 
 
 @njit(cache=True, nogil=True, inline="always")
 def shard_index(store, s):
-    return carray(_pointer(store[0][s, INDEX], store[4]), store[0][s, INDEX_ROWS] * store[0][s, INDEX_WORDS])
+    return carray(_pointer(store[0][s, SHARD_INDEX], store[4]),
+                  store[0][s, SHARD_INDEX_ROWS] * store[0][s, SHARD_INDEX_WORDS])
 
 
 @njit(cache=True, nogil=True)
@@ -100,11 +103,11 @@ def index_range(store, s, a, b, depth, c, upper):
     fewer stream pages. The range is sorted by that token (all shallower ones being equal), so the
     samples are too. Unchanged without an index, beyond its depth, or for a range of one step or less."""
     table = store[0]
-    step = table[s, INDEX_STEP]
-    if table[s, INDEX_ROWS] == 0 or depth >= table[s, INDEX_DEPTH] or b - a <= step:
+    step = table[s, SHARD_INDEX_STEP]
+    if table[s, SHARD_INDEX_ROWS] == 0 or depth >= table[s, SHARD_INDEX_DEPTH] or b - a <= step:
         return a, b
-    bits = table[s, INDEX_BITS]
-    words = table[s, INDEX_WORDS]
+    bits = table[s, SHARD_INDEX_BITS]
+    words = table[s, SHARD_INDEX_WORDS]
     per_word = 64 // bits
     word = depth // per_word
     shift = np.uint64(bits * (per_word - 1 - depth % per_word))
@@ -112,7 +115,7 @@ def index_range(store, s, a, b, depth, c, upper):
     keys = shard_index(store, s)
     first = (a + step - 1) // step  # the samples inside [a, b)
     lo = first
-    hi = min((b - 1) // step + 1, table[s, INDEX_ROWS])
+    hi = min((b - 1) // step + 1, table[s, SHARD_INDEX_ROWS])
     end = hi
     while lo < hi:
         m = (lo + hi) >> 1
@@ -225,13 +228,13 @@ def match(store, ctx, n_min, n_max, min_support):
             if 0 <= c < first.shape[0] - 1:
                 lo = first[c]
                 hi = first[c + 1]
-                if lo < 0 or hi < lo or hi > store[0][s, SA_LEN]:
+                if lo < 0 or hi < lo or hi > store[0][s, SHARD_SA_LEN]:
                     return los, his, counts, DAMAGED
                 los[s, 1] = lo
                 his[s, 1] = hi
         else:  # a small store keeps no first-token table: search its range like any other step
             los[s, 0] = 0
-            his[s, 0] = store[0][s, SA_LEN]
+            his[s, 0] = store[0][s, SHARD_SA_LEN]
             if narrow(store, s, los, his, 0, c):
                 return los, his, counts, DAMAGED
         counts[1] += his[s, 1] - los[s, 1]
@@ -333,7 +336,7 @@ def _search(store, lo, hi, depth, c, upper):
             if lo[s] < hi[s]:
                 m = (lo[s] + hi[s]) >> 1
                 p = shard_sa(store, s)[m] - depth
-                if p < 0 or p >= store[0][s, TOKENS_LEN]:
+                if p < 0 or p >= store[0][s, SHARD_TOKENS_LEN]:
                     return True
                 v = shard_tokens(store, s)[p]
                 if v < c or (upper and v == c):
@@ -436,7 +439,7 @@ def gather_positions(store, positions, vocab_size, width, book, out, row0):
             break
         shard = positions[j] >> 32
         p = positions[j] & 0xFFFFFFFF
-        if shard < 0 or shard >= n_shards or p >= store[0][shard, TOKENS_LEN]:
+        if shard < 0 or shard >= n_shards or p >= store[0][shard, SHARD_TOKENS_LEN]:
             return DAMAGED
         tokens = shard_tokens(store, shard)
         if tokens[p] // width != book:
@@ -601,22 +604,23 @@ def record(stats, source, first_row, rows, match_length, occurrences):
 def gather_exact(ctx, general, speaker, use_speaker, max_depth, settings):
     """Continuation rows of the prompt, the speaker store and the general store.
 
-    `general` and `speaker` are stores (see TOKENS above); `settings` is gather_settings' array (read by
-    column: N_MIN, CAP, ...). Returns `conts`, a [rows, max_depth] table with room for
-    settings[EXTRA_ROWS] more (FAISS), and `stats[source]` = (FIRST_ROW, ROWS, MATCH, OCCURRENCES);
+    `general` and `speaker` are stores (see SHARD_TOKENS above); `settings` is gather_settings' array
+    (read by column: SETTING_N_MIN, SETTING_CAP, ...). Returns `conts`, a [rows, max_depth] table with room for
+    settings[SETTING_EXTRA_ROWS] more (FAISS), and `stats[source]` = (FIRST_ROW, ROWS, MATCH, OCCURRENCES);
     stats[FAISS, FIRST_ROW] is where FAISS rows would start, or DAMAGED when a damaged store stopped the
     gathering (stats[that source, ROWS] is DAMAGED too): one value for the caller to check.
     """
-    n_min = settings[N_MIN]
-    n_max = settings[N_MAX]
-    min_support = settings[MIN_SUPPORT]
-    cap = settings[CAP]
-    vocab_size = settings[VOCAB_SIZE]
-    conts = np.empty((3 * cap + settings[EXTRA_ROWS], max_depth), np.int64)
+    n_min = settings[SETTING_N_MIN]
+    n_max = settings[SETTING_N_MAX]
+    min_support = settings[SETTING_MIN_SUPPORT]
+    cap = settings[SETTING_CAP]
+    vocab_size = settings[SETTING_VOCAB_SIZE]
+    conts = np.empty((3 * cap + settings[SETTING_EXTRA_ROWS], max_depth), np.int64)
     stats = np.zeros((N_SOURCES, 4), np.int64)
     row = 0
-    if settings[USE_PROMPT]:
-        m, k = gather_prompt(ctx, settings[PROMPT_N_MIN], n_max, cap, settings[WINDOW], conts, row)
+    if settings[SETTING_USE_PROMPT]:
+        m, k = gather_prompt(ctx, settings[SETTING_PROMPT_N_MIN], n_max, cap, settings[SETTING_PROMPT_WINDOW],
+                             conts, row)
         record(stats, PROMPT, row, m, k, m)
         row += m
     if use_speaker:

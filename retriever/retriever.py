@@ -94,7 +94,7 @@ class Retriever:
         # the settings every proposal passes to the kernels, fixed here: changing an attribute later has no effect
         self._settings = kernels.gather_settings(
             use_prompt=self.prompt_lookup, n_min=self.n_min, n_max=self.n_max, prompt_n_min=self.prompt_n_min,
-            min_support=self.min_support, cap=self.cap, window=self.prompt_window,
+            min_support=self.min_support, cap=self.cap, prompt_window=self.prompt_window,
             extra_rows=0 if self.faiss is None else self.faiss_k, vocab_size=self.vocab_size)
         self.propose(np.zeros(1, np.int64))  # JIT warm-up (numba's cache): the first request pays nothing
 
@@ -167,18 +167,19 @@ class Retriever:
 
 
 def kernel_store(shards: tuple[ExactStore, ...]) -> tuple:
-    """The kernels' view of a store (see kernels.TOKENS): a table of its shards' array addresses and
+    """The kernels' view of a store (see kernels.SHARD_TOKENS): a table of its shards' array addresses and
     lengths (and sampled indexes), and shard 0's arrays for their dtypes. The caller keeps `shards` alive
     while it uses the view."""
-    table = np.zeros((len(shards), kernels.TABLE_COLUMNS), np.int64)
+    table = np.zeros((len(shards), kernels.SHARD_COLUMNS), np.int64)
     for row, shard in zip(table, shards):
-        for column, a in zip((kernels.TOKENS, kernels.SA, kernels.FIRST), (shard.tokens, shard.sa, shard.first)):
+        columns = (kernels.SHARD_TOKENS, kernels.SHARD_SA, kernels.SHARD_FIRST)
+        for column, a in zip(columns, (shard.tokens, shard.sa, shard.first)):
             row[column:column + 2] = a.ctypes.data if len(a) else 0, len(a)
         if len(getattr(shard, "index", ())):  # a store built before index.npy has none
             bits = int(shard.vocab_size).bit_length()
             words = -(-shard.index_depth // (64 // bits))
-            row[kernels.INDEX:] = (shard.index.ctypes.data, len(shard.index) // words, shard.index_step,
-                                   shard.index_depth, bits, words)
+            row[kernels.SHARD_INDEX:] = (shard.index.ctypes.data, len(shard.index) // words, shard.index_step,
+                                         shard.index_depth, bits, words)
     return table, shards[0].tokens, shards[0].sa, shards[0].first, getattr(shards[0], "index", _NO_INDEX)
 
 

@@ -22,7 +22,7 @@ def corpus(path, rng, n_utts=400, vocab=12):
 
 def without_index(store: tuple) -> tuple:
     table = store[0].copy()
-    table[:, kernels.INDEX_ROWS] = 0
+    table[:, kernels.SHARD_INDEX_ROWS] = 0
     return (table, *store[1:])
 
 

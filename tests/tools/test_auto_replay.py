@@ -49,7 +49,7 @@ def test_record_then_replay_on_the_sample(sample_store, tmp_path):
     assert result.exit_code == 0, result.output
     assert dict(os.environ) == before  # threads set for this process's torch only, as `echospec bench` does
     runs = json.loads(recording.read_text())["runs"]
-    assert len(runs) == 3 * len(auto_replay.CAPS) * 2
+    assert len(runs) == 3 * len(auto_replay.RECORDED_CAPS) * 2
     for prompt in {r["prompt"] for r in runs}:
         # lossless: every cap emits the same utterance, in fewer steps on larger trees
         lengths = {sum(r["tokens"]) for r in runs if r["prompt"] == prompt}

@@ -10,8 +10,8 @@ Why: on a shared CPU one utterance's time per token moves 15-20% from one run of
 cap and tokens, seconds apart), so one bench run cannot say whether an adaptive budget comes within a few % of the
 best fixed cap.
 
-`record` decodes every prompt under every cap in CAPS, `--repeats` times each, in a fresh random order per prompt
-(in `--dtype` on `--device`, as `echospec bench` runs), and keeps what a budget sees of each step: the tokens it
+`record` decodes every prompt under every cap in RECORDED_CAPS, `--repeats` times each, in a fresh random order per
+prompt (in `--dtype` on `--device`, as `echospec bench` runs), and keeps what a budget sees of each step: the tokens it
 emitted and its seconds. `replay` runs `CapRates` over the prompts in their recorded order (`--cycles` times over,
 for a longer run than the recording), many times: each utterance is one recording of the cap it chose, drawn at
 random, and every fixed cap is scored on another recording of the same prompt, as a bench's separate runs are
@@ -38,7 +38,7 @@ from ..bench.harness import DTYPES, POLICIES, BenchError, pyplot, save_figure, w
 from ..commands import fail_cleanly, limit_option, out_option, threads_option
 
 WITHIN = 0.95  # within 5% of the best fixed cap
-CAPS = (0, 4, 8, 16, 32, 64)  # recorded: the adaptive budget's caps and larger ones, which it is scored against
+RECORDED_CAPS = (0, 4, 8, 16, 32, 64)  # the adaptive budget's caps and larger ones, which it is scored against
 
 
 class StepLog(FixedBudget):
@@ -57,7 +57,7 @@ class StepLog(FixedBudget):
 def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", repeats: int = 2,
            limit: int | None = None, max_new_tokens: int = 400, threads: int = 1, device: str = "cpu",
            dtype: str = "float32", seed: int = 0, progress: bool = True) -> dict:
-    """Decode each prompt under every cap in CAPS, `repeats` times in a shuffled order, keeping each step's
+    """Decode each prompt under every cap in RECORDED_CAPS, `repeats` times in a shuffled order, keeping each step's
     tokens and seconds, with `threads` torch threads, on `device` in `dtype` (as `echospec bench` runs).
     `stores`: "speaker" (the prompt's speaker's store) or "general"."""
     from tqdm import tqdm
@@ -83,16 +83,16 @@ def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", 
             session.step()
         return {"prompt": prompt.id, "cap": cap, "tokens": log.tokens, "seconds": log.seconds}
 
-    for cap in CAPS:  # untimed: first calls compile and allocate
+    for cap in RECORDED_CAPS:  # untimed: first calls compile and allocate
         decode(prompts[0], 0, cap)
     order, runs = random.Random(seed), []
     for index, prompt in enumerate(tqdm(prompts, desc=f"record {policy}/{stores}", unit="prompt",
                                         disable=not progress)):
-        caps = list(CAPS) * repeats
+        caps = list(RECORDED_CAPS) * repeats
         order.shuffle(caps)
         runs += [decode(prompt, index, cap) for cap in caps]
     return {"policy": policy, "stores": stores, "threads": threads, "device": device, "dtype": dtype,
-            "caps": list(CAPS), "repeats": repeats, "checkpoint": str(checkpoint), "runs": runs}
+            "caps": list(RECORDED_CAPS), "repeats": repeats, "checkpoint": str(checkpoint), "runs": runs}
 
 
 def replay(recording: dict, replays: int = 200, make_rates=CapRates, seed: int = 0, cycles: int = 1) -> dict:
@@ -204,7 +204,7 @@ def main() -> None:
 @fail_cleanly
 def record_command(checkpoint, store, prompts, policy, stores, repeats, max_new_tokens, limit, threads, dtype, device,
                    out_file):
-    """Decode every prompt under every cap in CAPS, keeping each step's tokens and seconds."""
+    """Decode every prompt under every cap in RECORDED_CAPS, keeping each step's tokens and seconds."""
     recording = record(checkpoint, store, prompts, policy=policy, stores=stores, repeats=repeats, limit=limit,
                        max_new_tokens=max_new_tokens, threads=threads, device=device, dtype=dtype)
     Path(out_file).parent.mkdir(parents=True, exist_ok=True)

@@ -102,7 +102,7 @@ def run_variant(store: str, held: str, variant: str, n: int) -> dict:
     drop_cache(files)
     r = Retriever(open_datastore(store), use_faiss=False)
     if variant != "index":
-        r._general[0][:, kernels.INDEX_ROWS] = 0  # the kernels then search without the index
+        r._general[0][:, kernels.SHARD_INDEX_ROWS] = 0  # the kernels then search without the index
     if variant == "before":
         for shard in r.datastore.shards:
             for arr in (shard.tokens, shard.sa):
