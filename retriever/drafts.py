@@ -12,7 +12,8 @@ with the largest sum of (prob - token_cost): the tree's most promising branch, c
 token no longer pays for its verification; an empty draft where nothing pays.
 
 Engines say nothing about the request, so the speaker store is chosen from the prompt itself
-(`SpeakerChoice`) and remembered per prompt (`PromptMemory`). Imports no torch and no engine.
+(`SpeakerChoice`) and remembered per request (`RequestMemory`), with how much of its drafts the engine
+accepted (`Request`), so a request that accepts little is sent less. Imports no torch and no engine.
 """
 
 from __future__ import annotations
@@ -133,27 +134,74 @@ def path_probability(tree, sequence) -> float:
     return float(tree.probs[matched_path(tree.tokens, tree.parents, sequence)].sum())
 
 
-class PromptMemory:
-    """The speaker chosen for each prompt, found again at every later step of the same request.
+class Request:
+    """What the drafter knows of one request: its speaker, and how much of what it was sent was accepted.
+
+    vLLM does not say what it accepted, but a row's next history does: the tokens that follow the history a
+    chain was sent with are the accepted drafts, then the token the engine sampled. A chain's expected
+    accepted length is the sum of its nodes' probs; `scale` is accepted over expected so far (from a prior
+    of PRIOR tokens at 1:1), and the drafter multiplies the tree's probs by it. A request whose drafts are
+    accepted less than the store expects (sampling from a flat distribution, say) is sent shorter chains,
+    and none once no token pays; one accepted more is sent longer ones."""
+
+    PRIOR = 4.0
+    MOST_SCALE = 2.0
+    SENT = 64  # chains awaiting their outcome per request (rows that share a prompt, rows that vanished)
+
+    def __init__(self, speaker: str | None):
+        self.speaker = speaker
+        self.expected = self.accepted = 0.0
+        self._sent: OrderedDict[tuple, tuple] = OrderedDict()  # (length, hash of the history) -> (chain, expected)
+
+    @property
+    def scale(self) -> float:
+        return min((self.accepted + self.PRIOR) / (self.expected + self.PRIOR), self.MOST_SCALE)
+
+    def observe(self, history: np.ndarray) -> None:
+        """Count what was accepted of a chain sent to an earlier history of this row."""
+        for key in [key for key in self._sent if key[0] < len(history)]:
+            length, digest = key
+            if hash(history[:length].tobytes()) == digest:
+                chain, expected = self._sent.pop(key)
+                self.accepted += prefix_length(chain, history[length:])
+                self.expected += expected
+
+    def sent(self, history: np.ndarray, chain: list[int], expected: float) -> None:
+        self._sent[len(history), hash(history.tobytes())] = (chain, expected)
+        while len(self._sent) > self.SENT:
+            self._sent.popitem(last=False)
+
+
+def prefix_length(draft: Sequence[int], truth: Sequence[int]) -> int:
+    """How many of `draft`'s first tokens `truth` begins with."""
+    n = 0
+    while n < len(draft) and n < len(truth) and draft[n] == truth[n]:
+        n += 1
+    return n
+
+
+class RequestMemory:
+    """Each request's `Request`, found again at every later step.
 
     vLLM gives no request ids, only each row's tokens, and reorders rows as requests come and go. A
     request is first seen right after its prefill, when its history is the prompt plus one sampled token:
     its prompt is then history[:-1] (a request seen again after its entry was evicted takes its history
-    so far). Entries are found by a hash of their first `HEAD` tokens, then checked on their whole
-    prompt; the `capacity` most recently used are kept, so nothing grows with the requests served."""
+    so far), and `choose(prompt)` names its speaker. Entries are found by a hash of their first `HEAD`
+    tokens, then checked on their whole prompt; the `capacity` most recently used are kept, so nothing grows
+    with the requests served. Requests with the same prompt share an entry."""
 
     HEAD = 16
 
     def __init__(self, choose: Callable[[np.ndarray], str | None], capacity: int = 4096):
         self.choose, self.capacity = choose, int(capacity)
-        self._entries: OrderedDict[tuple, tuple] = OrderedDict()  # (length, hash) -> (speaker, head)
+        self._entries: OrderedDict[tuple, tuple] = OrderedDict()  # (length, hash) -> (Request, head)
         self._by_head: dict[tuple, set] = {}  # (head length, head hash) -> entry keys
         self._head_lengths: dict[int, int] = {}  # head length -> entries with it (almost always HEAD)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def speaker(self, history: np.ndarray) -> str | None:
+    def find(self, history: np.ndarray) -> Request:
         for head_len in self._head_lengths:
             if head_len >= len(history):
                 continue
@@ -163,17 +211,17 @@ class PromptMemory:
                     self._entries.move_to_end(key)
                     return self._entries[key][0]
         prompt = history[:max(len(history) - 1, 1)]
-        speaker = self.choose(prompt)
-        self._remember(prompt, speaker)
-        return speaker
+        request = Request(self.choose(prompt))
+        self._remember(prompt, request)
+        return request
 
-    def _remember(self, prompt: np.ndarray, speaker: str | None) -> None:
+    def _remember(self, prompt: np.ndarray, request: Request) -> None:
         head_len = min(self.HEAD, len(prompt))
         key, head = (len(prompt), hash(prompt.tobytes())), (head_len, hash(prompt[:head_len].tobytes()))
         if key not in self._entries:
             self._by_head.setdefault(head, set()).add(key)
             self._head_lengths[head_len] = self._head_lengths.get(head_len, 0) + 1
-        self._entries[key] = (speaker, head)
+        self._entries[key] = (request, head)
         while len(self._entries) > self.capacity:
             old, (_, old_head) = self._entries.popitem(last=False)
             keys = self._by_head[old_head]
@@ -218,37 +266,40 @@ class ChainDrafter:
         self.remote = isinstance(retriever, RemoteRetriever)
         if speaker not in ("auto", None) and not self.remote and speaker not in retriever.speakers:
             raise ValueError(f"unknown speaker {speaker!r}; the store has {list(retriever.speakers)}")
-        self.prompts: PromptMemory | None = None
+        choose: Callable[[np.ndarray], str | None] = lambda prompt: speaker
         if speaker == "auto":
             # scored on the stores alone: the prompt lookup and FAISS would add the same rows to every candidate
             scorer = retriever if self.remote else Retriever(retriever.datastore, prompt_lookup=False,
                                                              use_faiss=False, max_nodes=retriever.max_nodes)
-            self.prompts = PromptMemory(SpeakerChoice(partial(self._propose_rows, retriever=scorer), self._speakers,
-                                                      self.offset,
-                                                      self.vocab_size, speaker_tokens, depth=self.k,
-                                                      min_speech=min_speech))
-        self.speaker = speaker
+            choose = SpeakerChoice(partial(self._propose_rows, retriever=scorer), self._speakers, self.offset,
+                                   self.vocab_size, speaker_tokens, depth=self.k, min_speech=min_speech)
+        self.requests = RequestMemory(choose)
         self._speaker_list: tuple[float, tuple[str, ...]] = (-np.inf, ())
 
     def propose(self, histories: Sequence[np.ndarray]) -> list[list[int]]:
         """A chain of model ids per history (1-D model ids: prompt, then output so far); [] for a row whose
         last token is not speech, whose tree is empty or worth nothing, or that the step's time ran out
         on. Raises RetrieverUnavailable when a service does not answer in time."""
-        rows, contexts, speakers = [], [], []
+        rows, contexts, requests = [], [], []
         for i, history in enumerate(histories):
             history = np.asarray(history, np.int64)
             if not len(history) or not 0 <= history[-1] - self.offset < self.vocab_size:
                 continue
-            rows.append(i)
+            request = self.requests.find(history)
+            request.observe(history)
+            rows.append((i, history))
             contexts.append(local_speech(history[-self.context:], self.offset, self.vocab_size))
-            speakers.append(self.speaker if self.prompts is None else self.prompts.speaker(history))
+            requests.append(request)
         drafts: list[list[int]] = [[] for _ in histories]
         # the clock starts after the speaker choices: a new request's is made once, and must not starve its step
         deadline = time.perf_counter() + self.step_timeout
-        for i, tree in zip(rows, self._propose_rows(contexts, speakers, self.k, deadline)):
+        trees = self._propose_rows(contexts, [r.speaker for r in requests], self.k, deadline)
+        for (i, history), request, tree in zip(rows, requests, trees):
             if tree is not None and len(tree):
-                chain = best_chain(tree.parents, tree.probs, self.token_cost)
+                chain = best_chain(tree.parents, tree.probs * request.scale, self.token_cost)
                 drafts[i] = (tree.tokens[chain] + self.offset).tolist()
+                if len(chain):
+                    request.sent(history, drafts[i], float(tree.probs[chain].sum()))
         return drafts
 
     def _propose_rows(self, contexts, speakers, depth, deadline=None, retriever=None) -> list:

@@ -14,7 +14,7 @@ import pytest
 from service_testing import ECHOSPEC, Server, make_store, post_json
 
 from echospec.retriever import RemoteRetriever, Retriever, RetrieverUnavailable
-from echospec.retriever.drafts import DRAFT_WEIGHTS, ChainDrafter, PromptMemory, SpeakerChoice, best_chain, contains
+from echospec.retriever.drafts import DRAFT_WEIGHTS, ChainDrafter, RequestMemory, SpeakerChoice, best_chain, contains
 from echospec.retriever.vllm_proposer import make_drafter, read_options
 
 
@@ -90,26 +90,44 @@ def test_speaker_is_chosen_from_the_reference_speech_in_the_prompt(built, retrie
     assert contains(np.array([1, 2, 3]), np.array([2, 3])) and not contains(np.array([1, 2, 3]), np.array([3, 2]))
 
 
-def test_prompt_memory_finds_each_request_again_and_stays_bounded():
+def test_request_memory_finds_each_request_again_and_stays_bounded():
     calls = []
 
     def choose(prompt):
         calls.append(len(prompt))
         return f"s{int(prompt[1])}"
 
-    memory = PromptMemory(choose, capacity=4)
+    memory = RequestMemory(choose, capacity=4)
     prompts = [np.array([0, i] + [7] * 20) for i in range(6)]
-    assert [memory.speaker(np.append(p, 100)) for p in prompts[:3]] == ["s0", "s1", "s2"]
+    assert [memory.find(np.append(p, 100)).speaker for p in prompts[:3]] == ["s0", "s1", "s2"]
     assert calls == [22, 22, 22]
     # later steps of the same requests, in another order, with more output: found, not chosen again
-    assert memory.speaker(np.append(prompts[2], [100, 5, 6])) == "s2"
-    assert memory.speaker(np.append(prompts[0], [100, 9])) == "s0"
+    assert memory.find(np.append(prompts[2], [100, 5, 6])).speaker == "s2"
+    assert memory.find(np.append(prompts[0], [100, 9])).speaker == "s0"
     assert len(calls) == 3
     short = np.array([3, 4])  # a prompt shorter than the hashed head
-    assert memory.speaker(np.append(short, 100)) is not None and memory.speaker(np.append(short, [100, 1])) == "s4"
+    assert memory.find(np.append(short, 100)).speaker is not None
+    assert memory.find(np.append(short, [100, 1])).speaker == "s4"
     for p in prompts[3:]:
-        memory.speaker(np.append(p, 100))
+        memory.find(np.append(p, 100))
     assert len(memory) == 4  # bounded: the least recently used went
+
+
+def test_a_request_that_accepts_nothing_is_sent_nothing_and_one_that_accepts_all_keeps_its_chains(built, retriever):
+    store, corpus = built
+    drafter = ChainDrafter(retriever, k=8, speaker=None)
+    refused, taken = np.array(corpus[0]["tokens"][:40]), np.array(corpus[1]["tokens"][:40])
+    first = drafter.propose([refused, taken])
+    assert first[0] and first[1]
+    for step in range(40):
+        chains = drafter.propose([refused, taken])
+        # the engine rejects row 0's first draft token (it samples another id) and accepts all of row 1's
+        sampled = corpus[0]["tokens"][40 + step]
+        refused = np.append(refused, sampled if not chains[0] or sampled != chains[0][0] else (sampled + 1) % 512)
+        taken = np.append(taken, chains[1] + [corpus[1]["tokens"][40 + step]])
+    assert drafter.requests.find(refused).scale < 0.2 < 1.0 <= drafter.requests.find(taken).scale
+    assert drafter.propose([refused])[0] == []
+    assert len(drafter.propose([taken])[0]) >= 1
 
 
 def test_per_row_speakers_over_the_service_match_in_process(built, retriever):

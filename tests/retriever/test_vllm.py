@@ -229,9 +229,9 @@ def test_rows_keep_their_drafts_when_the_batch_is_reordered(cosyvoice):
     token_ids, lengths, sampled = batch_of([histories[i] for i in order])
     assert proposer.propose(sampled, lengths, token_ids) == [drafts[i] for i in order]
     assert proposer.propose([[], *sampled[1:]], lengths, token_ids)[0] == []  # a partial prefill: no draft
-    memory = proposer.drafter.prompts
+    memory = proposer.drafter.requests
     assert len(memory) == 4  # one speaker choice per request, found again after the reorder
-    assert {memory.speaker(np.array(h, np.int64)) for h in histories} == {"ann", "bob"}
+    assert {memory.find(np.array(h, np.int64)).speaker for h in histories} == {"ann", "bob"}
 
 
 def test_options_are_checked_with_a_clear_message():

