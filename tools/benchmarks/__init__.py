@@ -1,12 +1,18 @@
 """Developer benchmarks: each runs the baseline and echospec side by side in one process, on the shared
-harness (tools/bench/harness.py), and is run as `python -m echospec.tools.benchmarks.NAME --help`.
+harness (tools/bench/harness.py). They are not in the wheel: run them from a checkout (installed with
+`pip install -e`) as `python -m echospec.tools.benchmarks.NAME --help`.
 
+    auto_replay         the adaptive node budget replayed on recorded decode steps against every fixed cap
     bench_decoder       the decoder against Hugging Face generate on a small Llama
+    bench_ingest        reading a corpus: the batch readers against the per-utterance readers of a baseline
+    bench_pages         proposals from a cold page cache: pages read and mapped, what a miss costs
     bench_retriever     the retriever against SuffixDecoding and REST on one corpus
     bench_service       propose over loopback HTTP beside the in-process retriever
     bench_shards        sharded builds against workers (local and Ray), proposals over 1, 4, 16 shards
     cost_curves         verify-cost curves (forward time against tree size) by shape, dtype, threads, CPU trick
     gpu_check           one command for a GPU: curves of the sample and a 0.5B shape, the sample's bench there
+    grouped_heads       tree decoding with grouped KV heads handed to SDPA uncopied against transformers' copy
     retriever_defaults  how the retriever's defaults were chosen (oracle acceptance; not a speed benchmark)
     rest_reference      REST's retrieval algorithm written plainly: bench_retriever's reference peer
+    vllm_side_by_side   echospec as vLLM's drafter beside vLLM's own drafters (vllm_engines: the engine workers)
 """
