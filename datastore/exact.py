@@ -18,8 +18,10 @@ Files (in one directory):
 That is 2 + 4 = 6 bytes per corpus token with a uint16 vocabulary (8 with uint32), plus at most 1.
 
 The sort is bounded to `depth` (= n_max): the reversed n-grams are packed into uint64 key words
-(read sequentially from the stream) and sorted in numba: one counting pass by the last token, then a
-radix sort inside each (cache-resident) bucket. argsort-based prefix doubling took ~6x as long.
+(several tokens a word, by the vocabulary's bit width, packed sliding along the stream) and sorted in
+numba (_suffix_sort): counting passes bucket the positions by their last token, then each bucket is
+radix-sorted by its first key word and only runs of equal words are sorted by the next one.
+argsort-based prefix doubling took ~6x as long as the bucketed radix sort, which took 3-4x this.
 Ties beyond the depth keep stream order (every pass is stable), so the layout and every answer are
 deterministic.
 """
@@ -65,11 +67,15 @@ def concat_segments(segments: Sequence[np.ndarray], vocab_size: int) -> np.ndarr
 
 def suffix_array(stream: np.ndarray, vocab_size: int, depth: int) -> np.ndarray:
     """Positions with a continuation, sorted by their reversed n-gram to `depth` tokens."""
-    sentinel = np.iinfo(stream.dtype).max
-    positions = np.flatnonzero((stream[:-1] != sentinel) & (stream[1:] != sentinel)).astype(np.int32)
-    bits = int(vocab_size).bit_length()
-    keys = _packed_keys(stream, positions, vocab_size, depth)
-    return _radix_sort(keys, positions, bits, 64 // bits)
+    return _suffix_sort(stream, vocab_size, depth)
+
+
+@njit(cache=True)
+def _bit_length(value):
+    bits = 0
+    while (1 << bits) <= value:
+        bits += 1
+    return bits
 
 
 @njit(cache=True)
@@ -77,9 +83,7 @@ def _packed_keys(stream, positions, vocab_size, depth):
     """uint64[words, n]: the tokens 0..depth-1 places left of each position, packed most significant
     first; the sentinel (and anything left of the stream) is `vocab_size`, after every token.
     Positions ascend, so building the keys reads the stream sequentially."""
-    bits = 0
-    while (1 << bits) <= vocab_size:
-        bits += 1
+    bits = _bit_length(vocab_size)
     per_word = 64 // bits
     words = (depth + per_word - 1) // per_word
     n = positions.shape[0]
@@ -94,112 +98,238 @@ def _packed_keys(stream, positions, vocab_size, depth):
 
 
 @njit(cache=True)
-def _radix_sort(keys, positions, bits, per_word):
-    """Stable sort of `positions` by the key words (word 0 most significant; its top `bits` hold the
-    token at depth 0). One counting-sort pass over the whole array buckets by that token (its high 16
-    bits for vocabularies over 65536); each bucket
-    (about n / vocab entries, cache-resident) is then finished on its own — insertion sort when tiny,
-    an LSD radix sort over 8-bit digits otherwise. Only the first pass streams through memory, which
-    made the whole sort ~3x faster than LSD passes over the full array."""
-    words, n = keys.shape
-    top_bits = min(bits, 16)  # bucket by the token's high bits when the vocabulary is huge
-    top_shift = bits * per_word - top_bits
-    n_top = 1 << top_bits
-    starts = np.zeros(n_top + 1, np.int64)
-    for i in range(n):
-        starts[(keys[0, i] >> top_shift) + 1] += 1
-    for b in range(n_top):
+def _suffix_sort(stream, vocab_size, depth):
+    """sa: every position p with a continuation, sorted stably (ties beyond the depth in stream order) by
+    its packed key words (as _packed_keys packs them). The positions are bucketed by the token at p (its
+    high 16 bits for vocabularies over 65536) in two counting passes of at most 8 bits, carrying key words
+    0 and 1 (packed by sliding along the stream): one pass into a few thousand buckets thrashes the cache,
+    and two cost a third. Each bucket is then sorted by word 0 and only its runs of equal words by the
+    next word (_sort_bucket): after four tokens three suffixes in four are told apart.
+    Memory: the stream, sa (4 B a token), words 0 and 1 (16 B) and scratch for the largest bucket."""
+    bits = _bit_length(vocab_size)
+    per_word = 64 // bits
+    words = (depth + per_word - 1) // per_word
+    masks = np.empty(words, np.uint64)
+    for w in range(words):
+        empty_slots = per_word - min(per_word, depth - w * per_word)
+        masks[w] = ~((np.uint64(1) << np.uint64(bits * empty_slots)) - np.uint64(1))
+    top_bits = min(bits, 16)
+    high_bits = min(top_bits, 8)
+    sa, keys0, keys1, starts = _scatter_by_token(stream, vocab_size, bits, per_word, masks, high_bits)
+    low_bits = top_bits - high_bits
+    largest = 0
+    for b in range(starts.shape[0] - 1):
+        largest = max(largest, starts[b + 1] - starts[b])
+    spare = (np.empty(largest, np.int32), np.empty(largest, np.uint64), np.empty(largest, np.uint64))
+    scratch = (np.empty(largest, np.int32), np.empty(largest, np.uint64), np.empty(largest, np.int32),
+               np.empty(largest, np.bool_), np.empty(largest, np.int32), np.empty((8, 257), np.int64))
+    shift = np.uint64(bits * per_word - top_bits)
+    for b in range(starts.shape[0] - 1):
+        lo, hi = starts[b], starts[b + 1]
+        inner = _split_by_bits(sa[lo:hi], keys0[lo:hi], keys1[lo:hi], shift, low_bits, spare)
+        for c in range(inner.shape[0] - 1):
+            a, z = lo + inner[c], lo + inner[c + 1]
+            if z - a > 1:
+                _sort_bucket(stream, vocab_size, depth, bits, per_word, sa[a:z], keys0[a:z], keys1[a:z], scratch)
+    return sa
+
+
+@njit(cache=True)
+def _scatter_by_token(stream, vocab_size, bits, per_word, masks, high_bits):
+    """The positions with a continuation, bucketed stably by the high `high_bits` bits of their token, with
+    key words 0 and 1 (1 only when the key has two words); returns (sa, keys0, keys1, bucket starts)."""
+    sentinel = np.iinfo(stream.dtype).max
+    n_buckets = 1 << high_bits
+    down = bits - high_bits
+    starts = np.zeros(n_buckets + 1, np.int64)
+    for p in range(stream.shape[0] - 1):
+        if stream[p] != sentinel and stream[p + 1] != sentinel:
+            starts[(stream[p] >> down) + 1] += 1
+    for b in range(n_buckets):
         starts[b + 1] += starts[b]
+    n = starts[n_buckets]
+    sa = np.empty(n, np.int32)
+    keys0 = np.empty(n, np.uint64)
+    keys1 = np.empty(n if masks.shape[0] > 1 else 0, np.uint64)
     fill = starts[:-1].copy()
-    out_keys = np.empty_like(keys)
-    order = np.empty_like(positions)
+    ubits, top, stop = np.uint64(bits), np.uint64(bits * (per_word - 1)), np.uint64(vocab_size)
+    outside = _outside_word(vocab_size, bits, per_word)
+    recent = np.full(per_word, outside)  # the words of the last per_word positions: word 1 is one of them
+    word, slot = outside, 0
+    for p in range(stream.shape[0] - 1):
+        code = stop if stream[p] == sentinel else np.uint64(stream[p])
+        earlier = recent[slot]  # the word at p - per_word
+        word = (word >> ubits) | (code << top)  # stream[p], stream[p - 1], ... packed
+        recent[slot] = word
+        slot = slot + 1 if slot + 1 < per_word else 0
+        if stream[p] != sentinel and stream[p + 1] != sentinel:
+            b = stream[p] >> down
+            at = fill[b]
+            fill[b] = at + 1
+            sa[at] = p
+            keys0[at] = word & masks[0]
+            if keys1.shape[0]:
+                keys1[at] = earlier & masks[1]
+    return sa, keys0, keys1, starts
+
+
+@njit(cache=True)
+def _split_by_bits(sa, keys0, keys1, shift, n_bits, spare):
+    """A stable counting sort of one bucket by the n_bits bits of keys0 above `shift`; returns the starts of
+    its sub-buckets (one sub-bucket when n_bits is 0)."""
+    n = sa.shape[0]
+    starts = np.zeros((1 << n_bits) + 1, np.int64)
+    if n_bits == 0:
+        starts[1] = n
+        return starts
+    mask = np.uint64((1 << n_bits) - 1)
     for i in range(n):
-        b = keys[0, i] >> top_shift
-        at = fill[b]
-        fill[b] = at + 1
-        order[at] = positions[i]
-        for w in range(words):
-            out_keys[w, at] = keys[w, i]
-    spare_keys = keys  # our own scratch from _packed_keys
-    spare_order = np.empty_like(order)
-    counts = np.empty(257, np.int64)
-    for b in range(n_top):
-        lo = starts[b]
-        hi = starts[b + 1]
-        if hi - lo <= 24:
-            _insertion_sort(out_keys, order, lo, hi)
-        else:
-            _lsd_sort(out_keys, order, spare_keys, spare_order, lo, hi, counts)
-    return order
+        starts[((keys0[i] >> shift) & mask) + 1] += 1
+    for c in range(1 << n_bits):
+        starts[c + 1] += starts[c]
+    fill = starts[:-1].copy()
+    spare_sa, spare_keys0, spare_keys1 = spare[0][:n], spare[1][:n], spare[2][:n]
+    for i in range(n):
+        c = (keys0[i] >> shift) & mask
+        at = fill[c]
+        fill[c] = at + 1
+        spare_sa[at] = sa[i]
+        spare_keys0[at] = keys0[i]
+        if keys1.shape[0]:
+            spare_keys1[at] = keys1[i]
+    sa[:] = spare_sa
+    keys0[:] = spare_keys0
+    if keys1.shape[0]:
+        keys1[:] = spare_keys1
+    return starts
 
 
 @njit(cache=True)
-def _key_less(keys, a, b):
-    for w in range(keys.shape[0]):
-        if keys[w, a] != keys[w, b]:
-            return keys[w, a] < keys[w, b]
-    return False
+def _outside_word(vocab_size, bits, per_word):
+    """A key word made of positions left of the stream: every slot vocab_size."""
+    word = np.uint64(0)
+    for _ in range(per_word):
+        word = (word >> np.uint64(bits)) | (np.uint64(vocab_size) << np.uint64(bits * (per_word - 1)))
+    return word
 
 
 @njit(cache=True)
-def _insertion_sort(keys, order, lo, hi):
-    words = keys.shape[0]
-    held = np.empty(words, keys.dtype)
-    for i in range(lo + 1, hi):
-        j = i
-        while j > lo and _key_less(keys, i, j - 1):
-            j -= 1
-        if j == i:
-            continue
-        for w in range(words):
-            held[w] = keys[w, i]
-        held_order = order[i]
-        for k in range(i, j, -1):
-            order[k] = order[k - 1]
-            for w in range(words):
-                keys[w, k] = keys[w, k - 1]
-        order[j] = held_order
-        for w in range(words):
-            keys[w, j] = held[w]
+def _key_word(stream, vocab_size, depth, bits, per_word, p, w):
+    """Word w of position p's key, as _packed_keys packs it."""
+    sentinel = np.iinfo(stream.dtype).max
+    word = np.uint64(0)
+    for d in range(w * per_word, min(depth, (w + 1) * per_word)):
+        code = vocab_size if p - d < 0 or stream[p - d] == sentinel else stream[p - d]
+        word |= np.uint64(code) << np.uint64(bits * (per_word - 1 - d % per_word))
+    return word
 
 
 @njit(cache=True)
-def _lsd_sort(keys, order, spare_keys, spare_order, lo, hi, counts):
-    """Stable LSD radix sort of keys[:, lo:hi] (with order) over 8-bit digits, carrying the keys so
-    no pass reads at random; digits equal across the range are skipped. Leaves the result in place."""
-    words = keys.shape[0]
-    src_keys, src_order, dst_keys, dst_order = keys, order, spare_keys, spare_order
-    n = hi - lo
-    for word in range(words - 1, -1, -1):
-        for shift in range(0, 64, 8):
-            counts[:] = 0
-            for i in range(lo, hi):
-                counts[((src_keys[word, i] >> shift) & 255) + 1] += 1
-            if counts.max() == n:
+def _sort_bucket(stream, vocab_size, depth, bits, per_word, sa, keys0, keys1, scratch):
+    """sa sorted stably by key word 0 (keys0), then each run of entries equal in words 0..w-1 by word w,
+    for w = 1, 2, ... while runs remain: word 1 from keys1, later ones packed from the stream. The sort
+    carries each entry's slot in the bucket, through which its position and word 1 are found."""
+    slots, spare_keys, spare_slots, tied, held, counts = scratch
+    n = sa.shape[0]
+    for i in range(n):
+        slots[i] = i
+    _sort_range(keys0, slots[:n], spare_keys, spare_slots, counts)
+    any_tied = False
+    tied[0] = False
+    for i in range(1, n):
+        tied[i] = keys0[i] == keys0[i - 1]
+        any_tied |= tied[i]
+    w = 1
+    while any_tied and w * per_word < depth:
+        any_tied = False
+        i = 1
+        while i < n:
+            if not tied[i]:
+                i += 1
                 continue
-            counts[0] = lo
-            for c in range(256):
-                counts[c + 1] += counts[c]
-            for i in range(lo, hi):
-                digit = (src_keys[word, i] >> shift) & 255
-                at = counts[digit]
-                counts[digit] = at + 1
-                dst_order[at] = src_order[i]
-                for w in range(words):
-                    dst_keys[w, at] = src_keys[w, i]
-            src_keys, dst_keys = dst_keys, src_keys
-            src_order, dst_order = dst_order, src_order
-    if src_order is not order:
-        for i in range(lo, hi):
-            order[i] = src_order[i]
-            for w in range(words):
-                keys[w, i] = src_keys[w, i]
+            a, b = i - 1, i + 1
+            while b < n and tied[b]:
+                b += 1
+            for k in range(a, b):
+                keys0[k] = keys1[slots[k]] if w == 1 else _key_word(stream, vocab_size, depth, bits, per_word,
+                                                                    sa[slots[k]], w)
+            _sort_range(keys0[a:b], slots[a:b], spare_keys, spare_slots, counts)
+            for k in range(a + 1, b):
+                tied[k] = keys0[k] == keys0[k - 1]
+                any_tied |= tied[k]
+            i = b
+        w += 1
+    for i in range(n):
+        held[i] = sa[slots[i]]
+    sa[:] = held[:n]
+
+
+@njit(cache=True)
+def _sort_range(keys, order, spare_keys, spare_order, counts):
+    """Stable sort of keys (with order) in place: insertion sort when short, else an LSD radix sort over
+    8-bit digits that skips the digits equal across the range (one pass counts all eight)."""
+    n = keys.shape[0]
+    if n <= 16:
+        _insertion_sort(keys, order)
+        return
+    counts[:, :] = 0
+    for i in range(n):
+        key = keys[i]
+        for digit in range(8):
+            counts[digit, ((key >> np.uint64(8 * digit)) & np.uint64(255)) + 1] += 1
+    src_keys, src_order, dst_keys, dst_order = keys, order, spare_keys[:n], spare_order[:n]
+    moved = False
+    for digit in range(8):
+        row = counts[digit]
+        if row.max() == n:
+            continue
+        for c in range(256):
+            row[c + 1] += row[c]
+        shift = np.uint64(8 * digit)
+        for i in range(n):
+            bucket = (src_keys[i] >> shift) & np.uint64(255)
+            at = row[bucket]
+            row[bucket] = at + 1
+            dst_keys[at] = src_keys[i]
+            dst_order[at] = src_order[i]
+        src_keys, dst_keys = dst_keys, src_keys
+        src_order, dst_order = dst_order, src_order
+        moved = not moved
+    if moved:
+        keys[:] = src_keys
+        order[:] = src_order
+
+
+@njit(cache=True)
+def _insertion_sort(keys, order):
+    for i in range(1, keys.shape[0]):
+        key, held = keys[i], order[i]
+        j = i
+        while j > 0 and key < keys[j - 1]:
+            keys[j] = keys[j - 1]
+            order[j] = order[j - 1]
+            j -= 1
+        keys[j] = key
+        order[j] = held
 
 
 def first_index(stream: np.ndarray, sa: np.ndarray, vocab_size: int) -> np.ndarray:
+    """first.npy: where each token's range of sa starts (and len(sa) last), counted along the stream."""
     if 8 * (vocab_size + 1) > len(sa):
         return np.zeros(0, np.int64)
-    return np.searchsorted(stream[sa], np.arange(vocab_size + 1), side="left").astype(np.int64)
+    return _first_index(stream, vocab_size)
+
+
+@njit(cache=True)
+def _first_index(stream, vocab_size):
+    sentinel = np.iinfo(stream.dtype).max
+    first = np.zeros(vocab_size + 1, np.int64)
+    for p in range(stream.shape[0] - 1):
+        if stream[p] != sentinel and stream[p + 1] != sentinel:
+            first[stream[p] + 1] += 1
+    for t in range(vocab_size):
+        first[t + 1] += first[t]
+    return first
 
 
 def sampled_index(stream: np.ndarray, sa: np.ndarray, vocab_size: int, depth: int) -> np.ndarray:

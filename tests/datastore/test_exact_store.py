@@ -7,8 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import pytest
 from echospec.datastore import build, open_datastore
-from echospec.datastore.exact import concat_segments, suffix_array
+from echospec.datastore.exact import _packed_keys, concat_segments, first_index, suffix_array
 from echospec.retriever import CandidateTree, Retriever
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -37,6 +38,50 @@ def test_large_vocabulary_uses_uint32_and_sorts(tmp_path):
     stream = concat_segments(segments, 200_000)
     assert stream.dtype == np.uint32
     assert suffix_array(stream, 200_000, 4).tolist() == brute_force_sa(stream, 200_000, 4)
+
+
+def sorted_reference_sa(stream, vocab, depth):
+    """The suffix array by NumPy's stable lexsort of the packed keys, position last."""
+    sentinel = np.iinfo(stream.dtype).max
+    positions = np.flatnonzero((stream[:-1] != sentinel) & (stream[1:] != sentinel)).astype(np.int32)
+    keys = _packed_keys(stream, positions, vocab, depth)
+    return positions[np.lexsort((positions, *keys[::-1]))]
+
+
+def repetitive_segments(rng, vocab, n_tokens):
+    """Phrases said again and again, with runs of one token (silence), cut at random stop ids: buckets
+    far larger than the insertion-sort size, keys tied across every word and beyond the depth."""
+    phrases = [rng.integers(0, vocab, rng.integers(3, 40)) for _ in range(30)]
+    silence = np.full(25, rng.integers(0, vocab))
+    pieces = [phrases[i] if i < len(phrases) else silence for i in rng.integers(0, len(phrases) + 3, n_tokens // 12)]
+    stream = np.concatenate(pieces)[:n_tokens]
+    stream[rng.random(len(stream)) < 0.01] = rng.integers(0, vocab)  # a mis-tokenised frame now and then
+    cuts = np.sort(rng.choice(len(stream), len(stream) // 60, replace=False))
+    return [s for s in np.split(stream, cuts) if len(s)]
+
+
+@pytest.mark.parametrize("vocab, depth", [(5, 1), (5, 9), (5, 30), (4096, 3), (4096, 4), (4096, 8), (4096, 13),
+                                          (65534, 8), (200_000, 7)])
+@pytest.mark.parametrize("kind", ["random", "repetitive"])
+def test_suffix_sort_equals_a_sorted_reference(vocab, depth, kind):
+    rng = np.random.default_rng(depth * 7 + vocab)
+    if kind == "random":
+        tokens = rng.integers(0, vocab, 60_000)
+        segments = [s for s in np.split(tokens, np.sort(rng.choice(60_000, 500, replace=False))) if len(s)]
+    else:
+        segments = repetitive_segments(rng, vocab, 60_000)
+    stream = concat_segments(segments, vocab)
+    sa = suffix_array(stream, vocab, depth)
+    assert sa.dtype == np.int32
+    assert np.array_equal(sa, sorted_reference_sa(stream, vocab, depth))
+    first = first_index(stream, sa, vocab)
+    if len(first):
+        assert np.array_equal(first, np.searchsorted(stream[sa], np.arange(vocab + 1)))
+
+
+def test_suffix_sort_of_streams_without_suffixes():
+    for segments in ([np.array([3])], [np.array([1]), np.array([2])]):
+        assert len(suffix_array(concat_segments(segments, 5), 5, 4)) == 0
 
 
 def test_store_is_memory_mapped_and_small(tmp_path):
