@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from echospec.datastore import build
-from echospec.decoder import presets
+from echospec.decoder import NODES, presets
 from echospec.tools.bench import bench
 from echospec.tools.cli import main
 
@@ -52,6 +52,7 @@ def test_bench_runs_any_hugging_face_checkpoint(llasa_checkpoint):
     assert set(report["systems"]) == {"autoregressive", "hf-prompt-lookup", "exact-greedy/general"}
     lossless(report["systems"], "exact-greedy/general")
     assert report["setup"]["speech"] == {"offset": 128264, "size": 65536, "stop_ids": [128261], "codebooks": 1}
+    assert report["setup"]["max_nodes"] == NODES  # the command's default budget is generate's
 
 
 def test_bench_samples_with_a_presets_sampler_and_says_which(llasa_checkpoint):

@@ -107,3 +107,8 @@ def test_node_and_depth_budgets_are_spelled_one_way():
     assert {"--nodes", "--depth"} <= spelled["bench"]
     shown = CliRunner().invoke(main, ["bench", "--help"]).output
     assert "--max-nodes" in shown and "--nodes" not in shown.replace("--max-nodes", "").replace("--sweep-nodes", "")
+    # bench's budget is generate's default (bench() resolves None to it), and its help shows that number
+    from echospec.decoder import NODES
+
+    [nodes] = [option for name, option in _options() if name == "bench" and "--max-nodes" in option.opts]
+    assert nodes.show_default.startswith(f"{NODES}, ")

@@ -44,8 +44,8 @@ DIVERGENCE_LOGITS = 20  # per system, the divergent utterances whose logits are 
 
 def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None = None, vocab_size: int | None = None,
           stop_ids=(), head=None, speech_embedding=None, sampler=None, token_rate: float | None = None,
-          tokenizer=None, policies=POLICIES, stores=("speaker", "general"),
-          max_nodes: int | str = "auto", max_depth: int = MAX_DEPTH, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
+          tokenizer=None, policies=POLICIES, stores=("speaker", "general"), max_nodes: int | str | None = None,
+          max_depth: int = MAX_DEPTH, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
           limit: int | None = None, rounds: int = 1, max_new_tokens: int = 400, threads: int = 1, seed: int = 0,
           tau: int | None = None, beta: float = 0.2, similarity: float = 0.3, device: str = "cpu",
           dtype: str = "float32", out_dir=None, progress: bool = True) -> dict:
@@ -62,6 +62,8 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     a second, default the checkpoint's or 25) scales the LM real-time factor. Hugging Face `generate` is the
     greedy baseline where it can run the model (no head, ids prompts); else echospec's own autoregressive loop.
     Every prompt is decoded `rounds` times, each utterance with its own seed (`seed` + its index).
+    `max_nodes` is every system's node budget but the sweeps': a cap, "auto" (an AdaptiveBudget per system), or
+    None for `generate`'s own default, a fixed cap of `echospec.decoder.NODES`.
 
     `device` and `dtype` ("float32", "bfloat16", "float16") are where and in what precision every system
     runs; the log-likelihood is then scored by a float32 copy of the model, so every dtype is judged on one
@@ -71,8 +73,9 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     """
     import torch
 
-    from ...decoder.budget import CAPS
+    from ...decoder.budget import CAPS, NODES
 
+    max_nodes = NODES if max_nodes is None else max_nodes
     sampler_name, sampler = _sampler(sampler)
     unknown = set(sweep_policies) - set(policies)
     if unknown:

@@ -6,7 +6,7 @@ A few minutes on one GPU. It times the verify-cost curve (forward time against t
 one-token step, with 250 tokens cached) of the shipped sample model and of a CosyVoice 2-shaped LM
 (Qwen2.5-0.5B's backbone with a 6564-way speech head; random weights, which a forward's cost does not depend
 on), then builds the sample's stores and runs `echospec bench` on the device in that dtype: autoregressive
-decoding against every policy with the default "auto" budget, and the lossless policies at fixed 16 and 64
+decoding against every policy with the "auto" budget (AdaptiveBudget), and the lossless policies at fixed 16 and 64
 nodes too — tokens per forward and wall-clock speed-up per policy, identity with autoregressive decoding and
 the logit gaps where it differs. Writes gpu_check.json and gpu_check.png under --out, the bench's own
 report under --out/bench. CI runs it on the CPU with --tiny (a small stand-in for the 0.5B shape, 2 prompts).
@@ -59,8 +59,8 @@ def gpu_check(device: str = "cuda", dtype: str = "bfloat16", out_dir="runs/gpu-c
     if not mel:
         echo("faiss is not installed: no log-mel distortion in the bench")
     result = bench(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS, tokenizer=SAMPLE_TOKENIZER if mel else None,
-                   policies=POLICIES,
-                   stores=("speaker",), sweep_nodes=(16, 64), sweep_policies=("exact-greedy", "exact-sampling"),
+                   policies=POLICIES, stores=("speaker",), max_nodes="auto",
+                   sweep_nodes=(16, 64), sweep_policies=("exact-greedy", "exact-sampling"),
                    limit=2 if tiny else limit, max_new_tokens=40 if tiny else max_new_tokens, device=device,
                    dtype=dtype, out_dir=out / "bench", progress=False)
     echo(format_table(result))

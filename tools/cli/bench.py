@@ -40,12 +40,13 @@ full_option = click.option("--full", is_flag=True, help="Print the full table (e
                    "(ras, cosyvoice, cosyvoice-vllm, llasa, orpheus, spark-tts, outetts; "
                    "echospec.decoder.presets.SAMPLERS).")
 @click.option("--stores", default="speaker,general", show_default=True, help="Which stores: speaker, general.")
-@click.option("--max-nodes", "--nodes", "max_nodes", cls=OldSpellings, default="auto", show_default=True,
-              help="Most tree nodes a step verifies: 'auto' (the fastest cap measured, 0 = plain steps) or an "
-                   "integer to pin it.")
+@click.option("--max-nodes", "--nodes", "max_nodes", cls=OldSpellings,
+              show_default="8, generate's: echospec.decoder.NODES",
+              help="Most tree nodes a step verifies: an integer (0: plain steps), or 'auto' (AdaptiveBudget: the "
+                   "fastest cap as measured).")
 @click.option("--max-depth", "--depth", "max_depth", cls=OldSpellings, default=MAX_DEPTH, show_default=True,
               type=click.IntRange(1, 64), help="Deepest path of a proposed tree, in tokens.")
-@click.option("--sweep-nodes", default="", help="Node budgets to sweep, e.g. 8,32,64.")
+@click.option("--sweep-nodes", default="", help="Node budgets to sweep, e.g. 4,32,64.")
 @click.option("--sweep-depths", default="", show_default="--max-depth", help="Depths to sweep, e.g. 4,12.")
 @click.option("--sweep-policy", "sweep_policies", multiple=True, type=click.Choice(POLICIES),
               show_default="exact-sampling if benchmarked, else the first policy",
@@ -78,7 +79,7 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
 
     \b
     echospec bench tools/sample/model --store runs/demo/store --prompts tools/sample/prompts.jsonl \\
-        --tokenizer tools/sample/tokenizer.npz --limit 20 --sweep-nodes 8,32
+        --tokenizer tools/sample/tokenizer.npz --limit 20 --sweep-nodes 4,32
     echospec bench ./Llasa-1B --store llasa --prompts prompts.jsonl \\
         --speech-offset 128264 --vocab-size 65536 --stop-id 128261
     """
@@ -87,13 +88,13 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
     stores = tuple(s.strip() for s in stores.split(",") if s.strip())
     if not stores or set(stores) - {"speaker", "general"}:
         raise click.BadParameter("use speaker and/or general", param_hint="--stores")
-    if max_nodes != "auto" and not max_nodes.isdigit():
+    if max_nodes not in (None, "auto") and not max_nodes.isdigit():
         raise click.BadParameter(f"{max_nodes!r}: a non-negative integer (0: no tree) or 'auto'",
                                  param_hint="--max-nodes")
     report = bench(checkpoint, store, prompts, speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
                    token_rate=token_rate, tokenizer=tokenizer, policies=policies or POLICIES, sampler=sampler,
                    stores=stores,
-                   max_nodes=max_nodes if max_nodes == "auto" else int(max_nodes), max_depth=max_depth,
+                   max_nodes=max_nodes if max_nodes in (None, "auto") else int(max_nodes), max_depth=max_depth,
                    sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (max_depth,),
                    sweep_policies=sweep_policies, limit=limit, rounds=rounds,
                    max_new_tokens=max_new_tokens, threads=threads, seed=seed, tau=tau, beta=beta,
