@@ -52,16 +52,21 @@ def stream_dtype(vocab_size: int) -> np.dtype:
 
 def concat_segments(segments: Sequence[np.ndarray], vocab_size: int) -> np.ndarray:
     """One stream: sentinel, segment, sentinel, segment, ..., sentinel."""
+    tokens = np.concatenate(segments) if len(segments) else np.zeros(0, np.int64)
+    return join_segments(tokens, np.array([len(s) for s in segments], np.int64), vocab_size)
+
+
+def join_segments(tokens: np.ndarray, lengths: np.ndarray, vocab_size: int) -> np.ndarray:
+    """concat_segments of the segments `tokens` holds one after another, `lengths` tokens each."""
     dtype = stream_dtype(vocab_size)
-    sentinel = np.iinfo(dtype).max
-    total = sum(len(s) for s in segments) + len(segments) + 1
+    total = len(tokens) + len(lengths) + 1
     if total > MAX_TOKENS:
         raise DatastoreError(f"a store holds at most {MAX_TOKENS} tokens; this one would hold {total}")
-    stream = np.full(total, sentinel, dtype)
-    at = 1
-    for seg in segments:
-        stream[at:at + len(seg)] = seg
-        at += len(seg) + 1
+    stream = np.full(total, np.iinfo(dtype).max, dtype)
+    is_token = np.ones(total, bool)
+    is_token[0] = False
+    is_token[np.cumsum(np.asarray(lengths, np.int64) + 1)] = False
+    stream[is_token] = tokens
     return stream
 
 
@@ -354,14 +359,19 @@ def index_keys(index: np.ndarray, sa_length: int, vocab_size: int) -> tuple[np.n
 
 def write_exact_store(directory: Path, segments: Sequence[np.ndarray], vocab_size: int, depth: int) -> dict:
     """Build the store's files into `directory` (the caller fsyncs); returns token and segment counts."""
-    stream = concat_segments(segments, vocab_size)
+    return write_exact_stream(directory, concat_segments(segments, vocab_size), vocab_size, depth)
+
+
+def write_exact_stream(directory: Path, stream: np.ndarray, vocab_size: int, depth: int) -> dict:
+    """write_exact_store of a stream that concat_segments or join_segments made."""
     sa = suffix_array(stream, vocab_size, depth)
     first = first_index(stream, sa, vocab_size)
     index = sampled_index(stream, sa, vocab_size, depth)
     directory.mkdir(parents=True, exist_ok=True)
     for name, arr in zip(FILES, (stream, sa, first, index)):
         save_npy(directory / name, arr)
-    return {"tokens": int(sum(len(s) for s in segments)), "segments": len(segments)}
+    segments = int(np.count_nonzero(stream == np.iinfo(stream.dtype).max)) - 1
+    return {"tokens": len(stream) - segments - 1, "segments": segments}
 
 
 def load_npy(path: Path, mmap: bool = False) -> np.ndarray:

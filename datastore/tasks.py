@@ -41,7 +41,7 @@ import numpy as np
 from .catalog import sha256
 from .corpus import UniqueIds, Vocabulary, read_batches, split_layout_breaks
 from .errors import DatastoreError, one_line
-from .exact import FILES, write_exact_store
+from .exact import FILES, concat_segments, join_segments, write_exact_stream
 from .files import atomic_dir
 from .partition import CHUNK_TOKENS, PartitionWriter, stable_hash, unpack_strings  # noqa: F401 (the build's names)
 
@@ -88,18 +88,25 @@ def _intact(path: Path, size: int, digest: str) -> bool:
     return _size(path) == size and sha256(path) == digest
 
 
-def _load_segments(path: Path) -> tuple[list[np.ndarray], dict]:
+def _load_segments(path: Path) -> dict:
+    """A partition file's arrays: its segments' tokens one after another and their lengths, and what else
+    it keeps (ids, speakers)."""
     try:  # the driver checked this file's sha256; damage since is one line, and the unit is read again
         with np.load(path, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
+            return {name: data[name] for name in data.files}
     except Exception as e:
         shutil.rmtree(path.parent, ignore_errors=True)
         raise DatastoreError(f"{path}: a build work file is damaged ({one_line(e)}); it was removed: run the "
                              "same build again") from None
-    if not len(arrays["lengths"]):  # a shard file may hold only ids (utterances without speech)
-        return [], arrays
-    cuts = np.cumsum(arrays["lengths"])[:-1]
-    return np.split(arrays["tokens"], cuts), arrays
+
+
+def _stream(tokens: np.ndarray, lengths: np.ndarray, vocab_size: int, codebooks: int) -> tuple[np.ndarray, int]:
+    """A store's stream of these segments, split at layout breaks when codebooks interleave; and the breaks."""
+    if codebooks == 1:
+        return join_segments(tokens, lengths, vocab_size), 0
+    segments, breaks = split_layout_breaks(np.split(tokens, np.cumsum(lengths)[:-1]) if len(lengths) else [],
+                                           vocab_size, codebooks)
+    return concat_segments(segments, vocab_size), breaks
 
 
 # --- shards and speaker groups -----------------------------------------------------------------------------
@@ -111,16 +118,18 @@ def build_shard(work: str, shard: int, files: list[str], vocab_size: int, depth:
     final = Path(work) / "shards" / f"shard-{shard:05d}"
     with atomic_dir(final, replace=False) as tmp:
         _write_json(tmp / "task.json", _whoami())  # which worker builds it, for whoever watches
-        segments, ids = [], UniqueIds()
+        tokens, lengths, ids = [], [], UniqueIds()
         for name in files:
-            parts, arrays = _load_segments(Path(name))
-            segments.extend(parts)
+            arrays = _load_segments(Path(name))
+            tokens.append(arrays["tokens"])
+            lengths.append(arrays["lengths"])
             for utt_id, where in zip(unpack_strings(arrays, "ids"), unpack_strings(arrays, "wheres")):
                 ids.add(utt_id, where)
         del ids
-        segments, breaks = split_layout_breaks(segments, vocab_size, codebooks)
-        counts = write_exact_store(tmp, segments, vocab_size, depth)
-        del segments
+        stream, breaks = _stream(_joined(tokens, np.uint16), _joined(lengths, np.int64), vocab_size, codebooks)
+        del tokens, lengths
+        counts = write_exact_stream(tmp, stream, vocab_size, depth)
+        del stream
         manifest = {"shard": shard, **counts, "layout_breaks": breaks, "files": _checksums(tmp, FILES), **_whoami(),
                     "peak_rss_bytes": _peak_rss(), "seconds": round(time.perf_counter() - started, 3)}
         _write_json(tmp / MANIFEST, manifest)
@@ -133,23 +142,44 @@ def build_speakers(work: str, group: int, files: list[str], vocab_size: int, dep
     final = Path(work) / "speakers" / f"group-{group:05d}"
     with atomic_dir(final, replace=False) as tmp:
         _write_json(tmp / "task.json", _whoami())
-        segments: dict[str, list[np.ndarray]] = {}
+        tokens, lengths, owners, numbers = [], [], [], {}
         for name in files:
-            parts, arrays = _load_segments(Path(name))
+            arrays = _load_segments(Path(name))
             names = unpack_strings(arrays, "names")
-            for segment, owner in zip(parts, arrays["owner"]):
-                segments.setdefault(names[owner], []).append(segment)
+            tokens.append(arrays["tokens"])
+            lengths.append(arrays["lengths"])
+            owners.append(np.array([numbers.setdefault(n, len(numbers)) for n in names], np.int64)[arrays["owner"]]
+                          if len(names) else np.zeros(0, np.int64))
+        tokens, lengths, ends = _by_owner(_joined(tokens, np.uint16), _joined(lengths, np.int64),
+                                          _joined(owners, np.int64), len(numbers))
+        token_at = np.concatenate([[0], np.cumsum(lengths)])
         speakers = []
-        for name in sorted(segments):
-            directory = speaker_dir(name)
-            parts, _ = split_layout_breaks(segments.pop(name), vocab_size, codebooks)
-            counts = write_exact_store(tmp / directory, parts, vocab_size, depth)
+        for name in sorted(numbers):
+            number, directory = numbers[name], speaker_dir(name)
+            a, b = (ends[number - 1] if number else 0), ends[number]
+            stream, _ = _stream(tokens[token_at[a]:token_at[b]], lengths[a:b], vocab_size, codebooks)
+            counts = write_exact_stream(tmp / directory, stream, vocab_size, depth)
             speakers.append({"name": name, "directory": directory, **counts,
                              "files": _checksums(tmp / directory, FILES)})
         manifest = {"group": group, "speakers": speakers, **_whoami(), "peak_rss_bytes": _peak_rss(),
                     "seconds": round(time.perf_counter() - started, 3)}
         _write_json(tmp / MANIFEST, manifest)
     return _read_json(final / MANIFEST)
+
+
+def _joined(arrays: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
+
+
+def _by_owner(tokens: np.ndarray, lengths: np.ndarray, owner: np.ndarray, owners: int):
+    """The segments reordered by owner, each owner's in their order: (tokens, lengths, where each owner's
+    segments end)."""
+    order = np.argsort(owner, kind="stable")
+    starts = np.cumsum(lengths) - lengths
+    moved = lengths[order]
+    # token i of the reordered segment k comes from starts[order[k]] + i
+    source = np.repeat(starts[order] - (np.cumsum(moved) - moved), moved) + np.arange(int(moved.sum()))
+    return tokens[source], moved, np.cumsum(np.bincount(owner, minlength=owners))
 
 
 def finished_store(directory: Path) -> dict | None:
