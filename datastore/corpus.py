@@ -446,23 +446,28 @@ def _utterance_of(offsets: np.ndarray, index: int) -> int:
 
 def to_local_ids(raw, where: str, vocab: Vocabulary) -> np.ndarray:
     """Check one utterance's raw ids and map them to local ids; stop ids become -1 (a segment boundary)."""
+    return counted_local_ids(raw, where, vocab)[0]
+
+
+def counted_local_ids(raw, where: str, vocab: Vocabulary) -> tuple[np.ndarray, int]:
+    """to_local_ids, and how many ids outside the speech range it removed (with vocab.drop_non_speech; else 0)."""
     arr = _as_array(raw, where).astype(np.int64, copy=False)
-    if not arr.size:
-        return arr
-    if vocab.drop_ids:
+    if vocab.drop_ids and arr.size:
         arr = arr[~np.isin(arr, np.asarray(vocab.drop_ids, np.int64))]
-        if not arr.size:
-            return arr
-    lowest, highest = int(arr.min()), int(arr.max())
+    if not arr.size:
+        return arr, 0
+    lowest = int(arr.min())
     if lowest < 0:
         raise CorpusError(f"{where}: negative token id {lowest}")
-    stop = np.isin(arr, np.asarray(vocab.stop_ids, np.int64)) if vocab.stop_ids else None
-    if stop is not None and stop.any():
-        speech = arr[~stop]
-        lowest, highest = (int(speech.min()), int(speech.max())) if speech.size else (vocab.speech_offset,) * 2
-    else:
-        stop = None
+    stop = np.isin(arr, np.asarray(vocab.stop_ids, np.int64)) if vocab.stop_ids else np.zeros(len(arr), bool)
     offset = vocab.speech_offset
+    dropped = 0
+    if vocab.drop_non_speech:
+        outside = ((arr < offset) | (arr >= offset + vocab.size)) & ~stop
+        dropped = int(np.count_nonzero(outside))
+        arr, stop = arr[~outside], stop[~outside]
+    speech = arr[~stop]
+    lowest, highest = (int(speech.min()), int(speech.max())) if speech.size else (offset, offset)
     if lowest < offset:
         raise CorpusError(f"{where}: token id {lowest} is below the speech range "
                           f"(speech_offset {offset}) and is not a stop id (a marker id? drop it: --drop-id, "
@@ -472,7 +477,7 @@ def to_local_ids(raw, where: str, vocab: Vocabulary) -> np.ndarray:
                           f"{offset}..{offset + vocab.size - 1} and is not a stop id (a marker id? drop it: "
                           "--drop-id, or keep only the speech range: --drop-non-speech)")
     local = arr - offset if offset else arr
-    return local if stop is None else np.where(stop, -1, local)
+    return (np.where(stop, -1, local) if stop.any() else local), dropped
 
 
 def split_segments(tokens: np.ndarray) -> list[np.ndarray]:

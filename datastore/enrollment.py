@@ -14,7 +14,7 @@ import fcntl
 import json
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +23,8 @@ import numpy as np
 
 from . import catalog
 from .building import corpus_name, insert_utterances, record_store
-from .corpus import UniqueIds, Utterance, Vocabulary, has_speech, read_corpus, split_layout_breaks, \
-    split_segments, to_local_ids, warn_skipped
+from .corpus import UniqueIds, Utterance, Vocabulary, corpus_files, corpus_units, counted_local_ids, has_speech, \
+    read_batches, split_layout_breaks, split_segments, warn_dropped, warn_skipped
 from .errors import CorpusError, DatastoreError, EnrollmentConflict
 from .exact import write_exact_store
 from .files import atomic_dir, crash_point
@@ -42,6 +42,7 @@ class Enrollment:
     added: int
     unchanged: int
     replaced: bool
+    dropped_non_speech: int = 0  # ids outside the speech range removed (a datastore built with drop_non_speech)
 
 
 def enroll(store_dir, speaker: str, utterances, replace: bool = False) -> Enrollment:
@@ -57,8 +58,10 @@ def enroll(store_dir, speaker: str, utterances, replace: bool = False) -> Enroll
     with _locked(root):
         ds = open_datastore(root)
         _remove_abandoned_enrollments(ds)
-        vocab = Vocabulary(ds.speech_offset, ds.vocab_size, ds.stop_ids, ds.drop_ids)
-        new = _checked(*_read(utterances, vocab))
+        vocab = Vocabulary(ds.speech_offset, ds.vocab_size, ds.stop_ids, ds.drop_ids, ds.drop_non_speech)
+        dropped = _Dropped()
+        new = _checked(*_read(utterances, vocab, dropped))
+        dropped.warn(vocab)
         old_dir = ds.speaker_directory(speaker)
         appending = old_dir is not None and not replace
         kept = ds.speaker_store(speaker).segments() if appending else []
@@ -66,7 +69,7 @@ def enroll(store_dir, speaker: str, utterances, replace: bool = False) -> Enroll
         if appending:
             new, unchanged = _not_yet_enrolled(new, _enrolled(root, ds, speaker, kept), speaker)
             if not new:
-                return Enrollment(ds, speaker, 0, unchanged, replace)
+                return Enrollment(ds, speaker, 0, unchanged, replace, dropped.tokens)
         added, _ = split_layout_breaks([s for u in new for s in split_segments(u.tokens)], ds.vocab_size,
                                        ds.codebooks)
         n_utts = len(new) + (ds.catalog_speaker(speaker)["utterances"] if appending else 0)
@@ -83,20 +86,45 @@ def enroll(store_dir, speaker: str, utterances, replace: bool = False) -> Enroll
         crash_point("enroll:committed")
         if old_dir is not None:
             shutil.rmtree(old_dir, ignore_errors=True)
-    return Enrollment(open_datastore(root), speaker, len(new), unchanged, replace)
+    return Enrollment(open_datastore(root), speaker, len(new), unchanged, replace, dropped.tokens)
 
 
-def _read(utterances, vocab: Vocabulary) -> tuple[Iterable[Utterance], str]:
+@dataclass
+class _Dropped:
+    """Ids outside the speech range an enrollment removed (drop_non_speech), for one warning as a build gives."""
+
+    tokens: int = 0
+    utterances: int = 0
+    first: str | None = None
+
+    def add(self, tokens: int, utterances: int, first: str | None) -> None:
+        self.tokens += tokens
+        self.utterances += utterances
+        self.first = self.first or first
+
+    def warn(self, vocab: Vocabulary) -> None:
+        if self.tokens:
+            warn_dropped(self.first, self.tokens, self.utterances, vocab)
+
+
+def _read(utterances, vocab: Vocabulary, dropped: _Dropped) -> tuple[Iterable[Utterance], str]:
     """The utterances of a corpus (paths) or of dicts, checked and mapped to local ids, and what to call them."""
     if isinstance(utterances, (str, os.PathLike)):
-        return read_corpus(utterances, vocab), str(utterances)
+        return _read_files(utterances, vocab, dropped), str(utterances)
     utterances = list(utterances)
     if all(isinstance(u, (str, os.PathLike)) for u in utterances):
-        return read_corpus(utterances, vocab), corpus_name(utterances)
-    return (_from_dict(row, i, vocab) for i, row in enumerate(utterances)), "utterances"
+        return _read_files(utterances, vocab, dropped), corpus_name(utterances)
+    return (_from_dict(row, i, vocab, dropped) for i, row in enumerate(utterances)), "utterances"
 
 
-def _from_dict(row, index: int, vocab: Vocabulary) -> Utterance:
+def _read_files(paths, vocab: Vocabulary, dropped: _Dropped) -> Iterator[Utterance]:
+    for unit in corpus_units(corpus_files(paths)):
+        for batch in read_batches(unit, vocab):
+            dropped.add(batch.dropped_tokens, batch.dropped_utterances, batch.first_dropped)
+            yield from batch.utterances()
+
+
+def _from_dict(row, index: int, vocab: Vocabulary, dropped: _Dropped) -> Utterance:
     where = f"utterances[{index}]"
     if not isinstance(row, Mapping):
         raise CorpusError(f"{where}: expected a dict with 'tokens' (or give corpus files), got {type(row).__name__}")
@@ -108,8 +136,9 @@ def _from_dict(row, index: int, vocab: Vocabulary) -> Utterance:
     extra = {k: v for k, v in row.items() if k not in ("id", "speaker", "tokens")}
     tokens = row["tokens"]
     tokens = list(tokens) if isinstance(tokens, tuple) else tokens
-    return Utterance(where if uid is None else str(uid), None, to_local_ids(tokens, where, vocab), where, extra,
-                     id_given=uid is not None)
+    local, removed = counted_local_ids(tokens, where, vocab)
+    dropped.add(removed, int(removed > 0), where if removed else None)
+    return Utterance(where if uid is None else str(uid), None, local, where, extra, id_given=uid is not None)
 
 
 def _checked(utterances: Iterable[Utterance], name: str) -> list[Utterance]:

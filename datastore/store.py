@@ -50,6 +50,8 @@ class Datastore:
         self.speech_offset = int(self.meta["speech_offset"])
         self.stop_ids = tuple(self.meta["stop_ids"])
         self.drop_ids = tuple(self.meta.get("drop_ids", ()))
+        self.drop_non_speech = "dropped_non_speech" in self.meta.get("build", {})
+        """Built with drop_non_speech: enrollment removes ids outside the speech range as the build did."""
         self.codebooks = int(self.meta.get("codebooks", 1))  # stores built before codebooks existed have one
         self.n_min, self.n_max = int(self.meta["n_min"]), int(self.meta["n_max"])
         self.sort_depth = int(self.meta["sort_depth"])

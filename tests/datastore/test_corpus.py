@@ -8,6 +8,7 @@ from echospec.datastore import (
     CorpusError,
     Vocabulary,
     build,
+    enroll,
     open_datastore,
     read_corpus,
 )
@@ -191,6 +192,33 @@ def test_a_training_dump_keeps_only_the_speech_range_when_asked(tmp_path, caplog
     assert ds.info()["utterances"] == 2
     with pytest.raises(Exception, match="drop_non_speech needs vocab_size"):
         build(corpus, tmp_path / "t", drop_non_speech=True, faiss=False, progress=False)
+
+
+def test_enrolling_into_a_drop_non_speech_store_drops_the_same_ids(tmp_path, caplog):
+    offset, size, stop, marker = 1000, 50, 999, 998
+    options = dict(speech_offset=offset, vocab_size=size, stop_ids=[stop], drop_ids=[marker], faiss=False,
+                   progress=False)
+    build(write_jsonl(tmp_path / "dump.jsonl", [{"id": "a", "speaker": "s", "tokens": [5, 1001, 1002, 2000]}]),
+          tmp_path / "s", drop_non_speech=True, **options)
+    build(write_jsonl(tmp_path / "clean.jsonl", [{"id": "a", "speaker": "s", "tokens": [1001, 1002]}]),
+          tmp_path / "strict", **options)
+    new = [{"id": "n1", "tokens": [7, 1010, marker, 1011, stop, 1012, 3000]}, {"id": "n2", "tokens": [1013, 1014]}]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="echospec.datastore.corpus"):
+        done = enroll(tmp_path / "s", "new", new)
+    assert done.dropped_non_speech == 2 and done.added == 2
+    assert [r.getMessage() for r in caplog.records if "speech range" in r.getMessage()] == [
+        "utterances[0]: 2 token ids outside the speech range 1000..1049 dropped from 1 utterances (this is the "
+        "first; drop_non_speech)"]
+    assert [seg.tolist() for seg in done.datastore.speaker_store("new").segments()] == [[10, 11], [12], [13, 14]]
+    # a corpus file goes through the batch reader: the same ids dropped, counted the same way
+    files = enroll(tmp_path / "s", "from-file", write_jsonl(tmp_path / "more.jsonl", new))
+    assert files.dropped_non_speech == 2
+    assert [seg.tolist() for seg in files.datastore.speaker_store("from-file").segments()] == [[10, 11], [12], [13, 14]]
+    with pytest.raises(CorpusError, match=r"utterances\[0\]: token id 7 is below the speech range .*--drop-non-speech"):
+        enroll(tmp_path / "strict", "new", new)  # a store built without the option still refuses them
+    with pytest.raises(CorpusError, match="negative token id"):
+        enroll(tmp_path / "s", "neg", [{"tokens": [1001, -3]}])  # negative ids stay refused
 
 
 def test_cli_drop_non_speech_reports_what_it_dropped(tmp_path):
