@@ -104,13 +104,9 @@ def _assemble(target: Path, work: Path, outcome, codebooks, n_min, n_max, per_sp
     with atomic_dir(target, tag="building") as tmp:
         db = catalog.create(tmp, _meta(vocab, codebooks, n_min, n_max, per_speaker, faiss, corpus,
                                        len(outcome.shards), outcome.dropped))
-        speaker_utterances = insert_utterances(db, _partition_rows(work, outcome.units))
+        speaker_utterances = _insert_partition_rows(db, work, outcome.units)
         shard_dirs = _place_shards(db, tmp, work, outcome)
-        for group, manifest in enumerate(outcome.groups):
-            for row in manifest["speakers"]:
-                source = work / "speakers" / f"group-{group:05d}" / row["directory"]
-                _place_store(db, tmp, f"speaker:{row['name']}", source, tmp / "speakers" / row["directory"],
-                             row["name"], speaker_utterances[row["name"]], row)
+        _place_speakers(db, tmp, work, outcome.groups, speaker_utterances)
         if faiss:
             from .faiss_store import write_faiss_store
             info = write_faiss_store(tmp / "faiss", shard_dirs, vocab.size, embeddings,
@@ -157,18 +153,26 @@ def _place_shards(db, tmp: Path, work: Path, outcome) -> list[Path]:
     return directories
 
 
-def _place_store(db, tmp: Path, name: str, source: Path, directory: Path, speaker: str, n_utts: int,
-                 manifest: dict) -> None:
-    _link_files(source, directory, manifest["files"])
-    rows = _file_rows(tmp, name, directory, manifest["files"])
-    db["files"].insert_all(rows, pk="path")
+def _place_speakers(db, tmp: Path, work: Path, groups: list[dict], utterances: Counter) -> None:
+    """Link every speaker store into the new datastore and record them, each table's rows in one insert
+    (sqlite-utils looks a table up on every call: one call per speaker cost ~10 ms)."""
+    files, stores, speakers = [], [], []
     stamp = catalog.now()
-    db["stores"].insert({"name": name, "kind": "exact", "directory": directory.relative_to(tmp).as_posix(),
-                         "speaker": speaker, "utterances": n_utts, "segments": manifest["segments"],
-                         "tokens": manifest["tokens"], "bytes": sum(r["bytes"] for r in rows),
-                         "created_at": stamp, "params": "{}"}, pk="name")
-    db["speakers"].insert({"name": speaker, "store": name, "utterances": n_utts, "tokens": manifest["tokens"],
-                           "enrolled_at": stamp}, pk="name")
+    for group, manifest in enumerate(groups):
+        for row in manifest["speakers"]:
+            name, directory = f"speaker:{row['name']}", tmp / "speakers" / row["directory"]
+            _link_files(work / "speakers" / f"group-{group:05d}" / row["directory"], directory, row["files"])
+            rows = _file_rows(tmp, name, directory, row["files"])
+            files += rows
+            stores.append({"name": name, "kind": "exact", "directory": directory.relative_to(tmp).as_posix(),
+                           "speaker": row["name"], "utterances": utterances[row["name"]],
+                           "segments": row["segments"], "tokens": row["tokens"],
+                           "bytes": sum(r["bytes"] for r in rows), "created_at": stamp, "params": "{}"})
+            speakers.append({"name": row["name"], "store": name, "utterances": utterances[row["name"]],
+                             "tokens": row["tokens"], "enrolled_at": stamp})
+    db["files"].insert_all(files, pk="path")
+    db["stores"].insert_all(stores, pk="name")
+    db["speakers"].insert_all(speakers, pk="name")
 
 
 def _link_files(source: Path, directory: Path, files: list[dict]) -> None:
@@ -187,16 +191,23 @@ def _file_rows(root: Path, store: str, directory: Path, files: list[dict]) -> li
              "bytes": row["bytes"], "sha256": row["sha256"]} for row in files]
 
 
-def _partition_rows(work: Path, units: list[dict]):
-    """The utterances' catalog rows, in corpus order, from the partition tasks' meta files."""
-    for unit in units:
-        directory = work / "parts" / f"unit-{unit['unit']:06d}"
-        for name in sorted(n for n in unit["files"] if n.endswith(".meta.npz")):
-            with np.load(directory / name, allow_pickle=False) as data:
-                columns = [unpack_strings(data, key) for key in ("ids", "speakers", "sources", "extras")]
-                tokens = data["tokens"].tolist()
-            for uid, speaker, n, source, extra in zip(columns[0], columns[1], tokens, columns[2], columns[3]):
-                yield uid, speaker or None, n, source, extra or None
+def _insert_partition_rows(db, work: Path, units: list[dict]) -> Counter:
+    """The utterances' catalog rows, in corpus order, from the partition tasks' meta files, a file's rows
+    at once in one transaction; returns utterances per speaker."""
+    per_speaker: Counter = Counter()
+    with db.atomic():
+        for unit in units:
+            directory = work / "parts" / f"unit-{unit['unit']:06d}"
+            for name in sorted(n for n in unit["files"] if n.endswith(".meta.npz")):
+                with np.load(directory / name, allow_pickle=False) as data:
+                    ids, speakers, sources, extras = (unpack_strings(data, key)
+                                                      for key in ("ids", "speakers", "sources", "extras"))
+                    tokens = data["tokens"].tolist()
+                speakers = [s or None for s in speakers]
+                per_speaker.update(speakers)
+                db.conn.executemany(INSERT_UTTERANCE, zip(ids, speakers, tokens, sources,
+                                                          [e or None for e in extras]))
+    return per_speaker
 
 
 def _check_build_options(vocab_size, speech_offset, n_min, n_max, codebooks) -> None:
@@ -258,6 +269,8 @@ def insert_utterances(db, rows) -> Counter:
 
     # Plain executemany: sqlite-utils' per-row type handling cost 2 s for a 10M-token corpus.
     with db.atomic():
-        db.conn.executemany("INSERT INTO utterances (id, speaker, tokens, source, extra) VALUES (?, ?, ?, ?, ?)",
-                            counted())
+        db.conn.executemany(INSERT_UTTERANCE, counted())
     return per_speaker
+
+
+INSERT_UTTERANCE = "INSERT INTO utterances (id, speaker, tokens, source, extra) VALUES (?, ?, ?, ?, ?)"
