@@ -16,6 +16,7 @@ import json
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,15 +31,21 @@ REPO = Path(__file__).resolve().parents[2]
 VOCAB = candidate.Vocabulary(speech_offset=0, size=4096)
 
 
-def baseline_module(revision: str, repo: Path = REPO):
-    """datastore/corpus.py as it was at `revision`, imported beside today's (same package, other name)."""
-    source = subprocess.run(["git", "-C", str(repo), "show", f"{revision}:datastore/corpus.py"], check=True,
+def baseline_module(revision: str, repo: Path = REPO, path: str = "datastore/corpus.py"):
+    """A module of the datastore (`path`) as it was at `revision`, imported beside today's (same package,
+    other name) from a file of its own, so numba can cache its kernels."""
+    source = subprocess.run(["git", "-C", str(repo), "show", f"{revision}:{path}"], check=True,
                             capture_output=True, text=True).stdout
-    spec = importlib.util.spec_from_loader("echospec.datastore._corpus_baseline", loader=None)
+    name = f"_{Path(path).stem}_{revision}"
+    file = Path(tempfile.gettempdir()) / "echospec-baselines" / f"{name}.py"
+    file.parent.mkdir(exist_ok=True)
+    if not file.exists() or file.read_text() != source:
+        file.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"echospec.datastore.{name}", file)
     module = importlib.util.module_from_spec(spec)
     module.__package__ = "echospec.datastore"
     sys.modules[spec.name] = module
-    exec(compile(source, f"{revision}:datastore/corpus.py", "exec"), module.__dict__)
+    spec.loader.exec_module(module)
     return module
 
 

@@ -13,10 +13,14 @@ is read in parallel too), one held-out split:
   after a warm-up; oracle acceptance (tokens per step: longest tree path equal to the true next tokens + the
   verifier's bonus token) over the held-out utterances, with a 95% bootstrap interval, and the ratio to S = 1;
 - the single-store builder alone and two at once (what side-by-side tasks can gain on this machine at all);
-- a projection to a 15 B-token corpus from the measured figures.
+- a projection to a 15 B-token corpus from the measured figures;
+- with `--phases`: builds in one process timed phase by phase (read, partition, sort, catalog, verify);
+- with `--sort-baseline REV`: one store's arrays computed by REV's datastore/exact.py and today's, side by side.
 
     python -m echospec.tools.benchmarks.bench_shards --tokens 30000000 --out bench/shards
     python -m echospec.tools.benchmarks.bench_shards --tokens 50000000 --phases 1,4 --phases-only --out bench/phases
+    python -m echospec.tools.benchmarks.bench_shards --tokens 200000000 --phases 1,16 --phases-only --keep \
+        --sort-baseline 9ba753a --out bench/phases200
 """
 
 from __future__ import annotations
@@ -239,6 +243,43 @@ def _sort_random(tokens: int) -> float:
         return time.perf_counter() - started
 
 
+def sort_side_by_side(n_tokens: int, baseline: str, rounds: int, seed: int) -> dict:
+    """A store's arrays (stream, sa, first, index: what write_exact_stream computes) from one resampled corpus
+    by `baseline`'s datastore/exact.py and today's, alternating over `rounds` after a warm-up, in CPU seconds
+    (this machine is shared) and wall seconds; the two must give identical arrays."""
+    from ...datastore import exact
+    from .bench_ingest import baseline_module
+
+    old = baseline_module(baseline, path="datastore/exact.py")
+    corpus = resample(n_tokens, seed)
+    segments = np.split(corpus.tokens, np.cumsum(corpus.lengths)[:-1])
+    vocab = corpus.vocab_size
+
+    def arrays(module):
+        stream = module.concat_segments(segments, vocab)
+        sa = module.suffix_array(stream, vocab, 8)
+        return stream, sa, module.first_index(stream, sa, vocab), module.sampled_index(stream, sa, vocab, 8)
+
+    small = segments[:1000]
+    for module in (old, exact):  # compile (or load the cache) outside the clock
+        module.suffix_array(module.concat_segments(small, vocab), vocab, 8)
+    times = {"baseline": [], "now": []}
+    for _ in range(rounds):
+        results = {}
+        for key, module in (("baseline", old), ("now", exact)):
+            wall, cpu = time.perf_counter(), time.process_time()
+            results[key] = arrays(module)
+            times[key].append((time.process_time() - cpu, time.perf_counter() - wall))
+        assert all(np.array_equal(a, b) for a, b in zip(results["baseline"], results["now"])), "arrays differ"
+        del results
+    tokens = int(corpus.lengths.sum())
+    row = {k: {"cpu_s": sorted(c for c, _ in v), "wall_s": sorted(w for _, w in v)} for k, v in times.items()}
+    for v in row.values():
+        v["m_tokens_per_cpu_s"] = tokens / float(np.median(v["cpu_s"])) / 1e6
+    return {"baseline": baseline, "tokens": tokens, "rounds": rounds, **row,
+            "speedup_cpu": float(np.median(row["baseline"]["cpu_s"]) / np.median(row["now"]["cpu_s"]))}
+
+
 def projection(builds: dict, memory: dict, pairs: dict) -> dict:
     """15 B tokens on paper, from the measured figures: one worker's whole-build throughput (reading, the
     general shards and the speaker stores), a shard task's memory, the driver's catalog rate, and how much
@@ -280,26 +321,39 @@ def projection(builds: dict, memory: dict, pairs: dict) -> dict:
 @click.option("--phases", "phase_shards", default="1,4", show_default=True,
               help="shard counts of the builds timed phase by phase (one process each, general + speaker stores)")
 @click.option("--phases-only", is_flag=True, help="only the phase-timed builds (the largest corpora)")
+@click.option("--sort-baseline", default=None,
+              help="also time one store's sort side by side with datastore/exact.py at this git revision")
+@click.option("--sort-tokens", type=click.IntRange(min=100_000), default=20_000_000, show_default=True)
+@click.option("--keep", is_flag=True, help="keep the phase-timed stores and write the held-out utterances to "
+                                           "OUT/held.npz (for bench_pages --store OUT/store-phased-S --held ...)")
 def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, use_ray, n_held, calls, rounds, seed,
-         kind, phase_shards, phases_only):
+         kind, phase_shards, phases_only, sort_baseline, sort_tokens, keep):
     """Build throughput against workers and proposals over shards; writes OUT/shards.json and OUT/shards.md."""
     pin_threads(THREADS)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    sort = None
+    if sort_baseline:
+        sort = sort_side_by_side(sort_tokens, sort_baseline, rounds, seed)
+        click.echo(f"one store's sort, {sort['tokens'] / 1e6:.1f} M tokens: {sort['speedup_cpu']:.2f}x the CPU "
+                   f"speed of {sort_baseline} ({json.dumps(sort)})")
     split = split_resampled if kind == "resampled" else split_corpus
     corpus, n_train, held = split(n_tokens, n_held, n_files, out, seed)
     click.echo(f"corpus ({kind}): {n_train} training tokens in {n_files} files, {len(held)} held-out utterances "
                f"({time.perf_counter() - started:.0f} s)")
+    if keep:
+        np.savez(out / "held.npz", tokens=np.concatenate(held), lengths=np.array([len(h) for h in held]))
     phased = {}
     for s in [int(x) for x in phase_shards.split(",") if x]:
         phased[s] = build_in_child(corpus, out / f"store-phased-{s}", s, True, phased=True)
         click.echo(f"phases, {s} shard{'s' * (s > 1)}: " + ", ".join(
             f"{k} {v:.1f} s" for k, v in phased[s]["phase_seconds"].items())
             + f"; end to end {phased[s]['tokens_per_s'] / 1e6:.2f} M tokens/s, peak {phased[s]['process_peak_rss_mb']:.0f} MB")
-        shutil.rmtree(out / f"store-phased-{s}")
+        if not keep:
+            shutil.rmtree(out / f"store-phased-{s}")
     if phases_only:
         result = {"machine": _machine(), "corpus": kind, "corpus_tokens": n_train, "phased": phased,
-                  "seconds": time.perf_counter() - started}
+                  "sort_side_by_side": sort, "seconds": time.perf_counter() - started}
         with atomic_file(out / "phases.json") as f:
             json.dump(result, f, indent=2)
         click.echo(phases_markdown(result))
@@ -339,7 +393,8 @@ def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, us
     for b in builds.values():
         b["speedup"] = b["tokens_per_s"] / one["tokens_per_s"]
         b["efficiency"] = b["speedup"] / b["workers"]
-    result = {"machine": _machine(), "corpus": kind, "phased": phased, "corpus_tokens": n_train, "held_out": len(held), "build_shards": build_shards,
+    result = {"machine": _machine(), "corpus": kind, "phased": phased, "sort_side_by_side": sort,
+              "corpus_tokens": n_train, "held_out": len(held), "build_shards": build_shards,
               "builds": builds, "sort_pairs": pairs, "stores": stores, "task_memory": memory_fit(tasks),
               "projection": projection(builds, memory_fit(tasks), pairs),
               "seconds": time.perf_counter() - started}
