@@ -241,8 +241,9 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, labels, fontsize=7)
         ax.set_title(title)
     axes[1].axhline(1.0, color="black", lw=0.8)
-    axes[0].legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(systems), fontsize=8, frameon=False)  # off the bars
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
 
 
