@@ -225,12 +225,19 @@ def _pack_segments(parts: list[tuple[np.ndarray, np.ndarray]]) -> dict:
 def pack_strings(key: str, strings: list[str]) -> dict:
     """Strings as one UTF-8 blob and offsets: a fixed-width NumPy string array would pad every entry to
     the longest (one long transcript in `extras` would cost every utterance its length)."""
+    joined = "".join(strings)
+    offsets = np.zeros(len(strings) + 1, np.int64)
+    if joined.isascii():  # one encode, and a character is a byte (ids and places nearly always are)
+        np.cumsum(np.fromiter(map(len, strings), np.int64, len(strings)), out=offsets[1:])
+        return {f"{key}_blob": np.frombuffer(joined.encode(), np.uint8), f"{key}_offsets": offsets}
     blobs = [s.encode() for s in strings]
-    offsets = np.zeros(len(blobs) + 1, np.int64)
     np.cumsum([len(b) for b in blobs], out=offsets[1:])
     return {f"{key}_blob": np.frombuffer(b"".join(blobs), np.uint8), f"{key}_offsets": offsets}
 
 
 def unpack_strings(data, key: str) -> list[str]:
-    blob, offsets = data[f"{key}_blob"].tobytes(), data[f"{key}_offsets"]
-    return [blob[offsets[i]:offsets[i + 1]].decode() for i in range(len(offsets) - 1)]
+    blob, offsets = data[f"{key}_blob"].tobytes(), data[f"{key}_offsets"].tolist()
+    text = blob.decode()
+    if len(text) == len(blob):  # ASCII: slice the decoded text, not each string's bytes
+        return [text[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    return [blob[a:b].decode() for a, b in zip(offsets[:-1], offsets[1:])]

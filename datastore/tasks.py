@@ -150,14 +150,15 @@ def build_speakers(work: str, group: int, files: list[str], vocab_size: int, dep
             lengths.append(arrays["lengths"])
             owners.append(np.array([numbers.setdefault(n, len(numbers)) for n in names], np.int64)[arrays["owner"]]
                           if len(names) else np.zeros(0, np.int64))
-        tokens, lengths, ends = _by_owner(_joined(tokens, np.uint16), _joined(lengths, np.int64),
-                                          _joined(owners, np.int64), len(numbers))
-        token_at = np.concatenate([[0], np.cumsum(lengths)])
+        tokens, lengths, owners = _joined(tokens, np.uint16), _joined(lengths, np.int64), _joined(owners, np.int64)
+        order = np.argsort(owners, kind="stable")  # the segments by speaker, each speaker's in corpus order
+        ends = np.cumsum(np.bincount(owners, minlength=len(numbers)))
+        starts = np.cumsum(lengths) - lengths
         speakers = []
         for name in sorted(numbers):
             number, directory = numbers[name], speaker_dir(name)
-            a, b = (ends[number - 1] if number else 0), ends[number]
-            stream, _ = _stream(tokens[token_at[a]:token_at[b]], lengths[a:b], vocab_size, codebooks)
+            mine = order[ends[number - 1] if number else 0:ends[number]]
+            stream, _ = _stream(_gather(tokens, starts[mine], lengths[mine]), lengths[mine], vocab_size, codebooks)
             counts = write_exact_stream(tmp / directory, stream, vocab_size, depth)
             speakers.append({"name": name, "directory": directory, **counts,
                              "files": _checksums(tmp / directory, FILES)})
@@ -171,15 +172,10 @@ def _joined(arrays: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
 
 
-def _by_owner(tokens: np.ndarray, lengths: np.ndarray, owner: np.ndarray, owners: int):
-    """The segments reordered by owner, each owner's in their order: (tokens, lengths, where each owner's
-    segments end)."""
-    order = np.argsort(owner, kind="stable")
-    starts = np.cumsum(lengths) - lengths
-    moved = lengths[order]
-    # token i of the reordered segment k comes from starts[order[k]] + i
-    source = np.repeat(starts[order] - (np.cumsum(moved) - moved), moved) + np.arange(int(moved.sum()))
-    return tokens[source], moved, np.cumsum(np.bincount(owner, minlength=owners))
+def _gather(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The segments tokens[starts[k]:starts[k] + lengths[k]], one after another."""
+    before = np.cumsum(lengths) - lengths
+    return tokens[np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()))]
 
 
 def finished_store(directory: Path) -> dict | None:
