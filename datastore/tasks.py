@@ -32,6 +32,7 @@ import re
 import resource
 import shutil
 import socket
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -131,7 +132,7 @@ def build_shard(work: str, shard: int, files: list[str], vocab_size: int, depth:
         counts = write_exact_stream(tmp, stream, vocab_size, depth)
         del stream
         manifest = {"shard": shard, **counts, "layout_breaks": breaks, "files": _checksums(tmp, FILES), **_whoami(),
-                    "peak_rss_bytes": _peak_rss(), "seconds": round(time.perf_counter() - started, 3)}
+                    "peak_rss_bytes": peak_rss(), "seconds": round(time.perf_counter() - started, 3)}
         _write_json(tmp / MANIFEST, manifest)
     return _read_json(final / MANIFEST)
 
@@ -162,7 +163,7 @@ def build_speakers(work: str, group: int, files: list[str], vocab_size: int, dep
             counts = write_exact_stream(tmp / directory, stream, vocab_size, depth)
             speakers.append({"name": name, "directory": directory, **counts,
                              "files": _checksums(tmp / directory, FILES)})
-        manifest = {"group": group, "speakers": speakers, **_whoami(), "peak_rss_bytes": _peak_rss(),
+        manifest = {"group": group, "speakers": speakers, **_whoami(), "peak_rss_bytes": peak_rss(),
                     "seconds": round(time.perf_counter() - started, 3)}
         _write_json(tmp / MANIFEST, manifest)
     return _read_json(final / MANIFEST)
@@ -222,6 +223,16 @@ def _whoami() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid()}
 
 
-def _peak_rss() -> int:
-    """This worker process's peak resident set so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def peak_rss() -> int:
+    """This process's peak resident set so far, in bytes: VmHWM where Linux's /proc has it, because ru_maxrss
+    keeps the high-water mark of the process that forked this one across exec (a worker spawned by a
+    driver holding 10 GB reported 10 GB), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024  # macOS reports bytes, the others KiB

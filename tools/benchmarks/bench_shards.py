@@ -157,12 +157,18 @@ def build_in_child(corpus: str, store: Path, shards: int, per_speaker: bool, wor
     call = (f"phased_build({corpus!r}, __import__('pathlib').Path({str(store)!r}), {shards}, {per_speaker})"
             if phased else f"timed_build({corpus!r}, __import__('pathlib').Path({str(store)!r}), {shards}, "
                            f"{per_speaker}, workers={workers}, ray_cpus={ray_cpus})")
-    code = ("import json, resource; from echospec.tools.benchmarks.bench_shards import phased_build, timed_build; "
-            f"r = {call}; r['process_peak_rss_mb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; "
-            "print(json.dumps(r))")
+    return _in_child(call)
+
+
+def _in_child(call: str) -> dict:
+    """A call of this module's in a fresh process (threads pinned through the environment it inherits), with
+    that process's peak resident set."""
+    code = ("import json; from echospec.tools.benchmarks.bench_shards import *; "
+            "from echospec.datastore.tasks import peak_rss; "
+            f"r = {call}; r['process_peak_rss_mb'] = peak_rss() / 2**20; print(json.dumps(r))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode:
-        raise click.ClickException(f"build of {store} failed:\n{done.stderr[-3000:]}")
+        raise click.ClickException(f"{call} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -334,7 +340,7 @@ def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, us
     started = time.perf_counter()
     sort = None
     if sort_baseline:
-        sort = sort_side_by_side(sort_tokens, sort_baseline, rounds, seed)
+        sort = _in_child(f"sort_side_by_side({sort_tokens}, {sort_baseline!r}, {rounds}, {seed})")
         click.echo(f"one store's sort, {sort['tokens'] / 1e6:.1f} M tokens: {sort['speedup_cpu']:.2f}x the CPU "
                    f"speed of {sort_baseline} ({json.dumps(sort)})")
     split = split_resampled if kind == "resampled" else split_corpus
