@@ -1,11 +1,11 @@
 """The tasks of a build, in order: partition the corpus units, then build every shard of the general store
 and every speaker group; finished work found in the work directory is reused (see tasks.py).
 
-Memory a task needs (measured by tools/benchmarks/bench_shards.py: 56 B per token on top of ~200 MB): the
-single-store builder's peak is the packed sort keys and their copy (2 x 16 B a token at depth 8 with a
-13-bit vocabulary), the positions (8 B, then 4), the suffix array and its scratch (2 x 4 B), the stream and
-the partition files it came from (2 x 2 B); SORT_BYTES_PER_TOKEN adds room to that. A partition task holds
-at most tasks.CHUNK_TOKENS tokens.
+Memory a task needs (measured by tools/benchmarks/bench_shards.py: 23 B per token, 4.6 GB for a 199M-token
+store): the single-store builder's peak is the suffix array (4 B a token), key words 0 and 1 (2 x 8 B), the
+stream (2 B, 4 with a vocabulary of 65,535 ids or more) and scratch for the largest bucket (~1% of the
+tokens); the partition files it came from (2-4 B) are freed before the sort. SORT_BYTES_PER_TOKEN adds room
+to that for the largest vocabularies. A partition task holds at most tasks.CHUNK_TOKENS tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .exact import MAX_TOKENS
 from .runners import LocalRunner, RayRunner
 from .tasks import CHUNK_TOKENS, build_shard, build_speakers, finished_store, finished_unit, partition_unit
 
-SORT_BYTES_PER_TOKEN = 64
+SORT_BYTES_PER_TOKEN = 40
 TASK_BASE_BYTES = 512 << 20
 PARTITION_BYTES = TASK_BASE_BYTES + 40 * CHUNK_TOKENS
 

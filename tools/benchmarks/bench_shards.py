@@ -39,6 +39,7 @@ import numpy as np
 
 from ...datastore import build, open_datastore
 from ...datastore.files import atomic_file
+from ...datastore.pipeline import SORT_BYTES_PER_TOKEN, TASK_BASE_BYTES
 from ...retriever import Retriever
 from ...retriever.tree import matched_depth
 from ..bench.harness import pin_threads
@@ -293,7 +294,7 @@ def projection(builds: dict, memory: dict, pairs: dict) -> dict:
     one = builds["local, 1 worker"]
     shard_tokens = 500_000_000  # 30 shards, each a quarter of the int32 limit
     peak = memory["bytes_per_token"] * shard_tokens + memory["base_mb"] * 2**20
-    reserved = 64 * shard_tokens + (512 << 20)  # datastore.pipeline: SORT_BYTES_PER_TOKEN, TASK_BASE_BYTES
+    reserved = SORT_BYTES_PER_TOKEN * shard_tokens + TASK_BASE_BYTES  # what Ray reserves for the task
     node_memory = 128 << 30
     nodes, per_node = 8, int(node_memory // reserved)
     worker_hours = TARGET_TOKENS / one["tokens_per_s"] / 3600
