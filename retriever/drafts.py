@@ -13,7 +13,9 @@ token no longer pays for its verification; an empty draft where nothing pays.
 
 Engines say nothing about the request, so the speaker store is chosen from the prompt itself
 (`SpeakerChoice`) and remembered per request (`RequestMemory`), with how much of its drafts the engine
-accepted (`Request`), so a request that accepts little is sent less. Imports no torch and no engine.
+accepted (`Request`), so a request that accepts little is sent less. A prompt served again (a TTS service
+hears the same sentence in the same voice often) is also drafted from the earlier output of that prompt
+(`Request.replay`): greedy, it says it again token for token. Imports no torch and no engine.
 """
 
 from __future__ import annotations
@@ -135,41 +137,85 @@ def path_probability(tree, sequence) -> float:
 
 
 class Request:
-    """What the drafter knows of one request: its speaker, and how much of what it was sent was accepted.
+    """What the drafter knows of one prompt's requests: the speaker, how much of what they were sent was
+    accepted, and the longest history served for the prompt so far.
 
     vLLM does not say what it accepted, but a row's next history does: the tokens that follow the history a
-    chain was sent with are the accepted drafts, then the token the engine sampled. A chain's expected
+    chain was sent with are the accepted drafts, then the token the engine sampled. A tree chain's expected
     accepted length is the sum of its nodes' probs; `scale` is accepted over expected so far (from a prior
     of PRIOR tokens at 1:1), and the drafter multiplies the tree's probs by it. A request whose drafts are
     accepted less than the store expects (sampling from a flat distribution, say) is sent shorter chains,
-    and none once no token pays; one accepted more is sent longer ones."""
+    and none once no token pays; one accepted more is sent longer ones.
+
+    A replayed chain (`replay`) is taken to be accepted token by token with chance `replay_rate`: accepted
+    tokens over accepted tokens and rejections so far, from a prior of 9 to 1 (greedy repeats keep it near 1;
+    sampled ones, which part ways with the earlier output, lower it)."""
 
     PRIOR = 4.0
     MOST_SCALE = 2.0
     SENT = 64  # chains awaiting their outcome per request (rows that share a prompt, rows that vanished)
+    REPLAY_MATCH = 8  # last ids a history must share with the earlier output to be continued from it
+    REPLAY_PRIOR = (9.0, 1.0)  # (accepted tokens, rejections) before any replay was verified
 
     def __init__(self, speaker: str | None):
         self.speaker = speaker
         self.expected = self.accepted = 0.0
-        self._sent: OrderedDict[tuple, tuple] = OrderedDict()  # (length, hash of the history) -> (chain, expected)
+        self.replay_accepted, self.replay_rejected = self.REPLAY_PRIOR
+        self.longest = np.zeros(0, np.int32)  # the longest history seen for this prompt (model ids)
+        self._sent: OrderedDict[tuple, tuple] = OrderedDict()  # (length, hash of history) -> (chain, expected)
 
     @property
     def scale(self) -> float:
         return min((self.accepted + self.PRIOR) / (self.expected + self.PRIOR), self.MOST_SCALE)
 
+    @property
+    def replay_rate(self) -> float:
+        return self.replay_accepted / (self.replay_accepted + self.replay_rejected)
+
     def observe(self, history: np.ndarray) -> None:
-        """Count what was accepted of a chain sent to an earlier history of this row."""
+        """Count what was accepted of a chain sent to an earlier history of this row, and keep the history if
+        it is the prompt's longest yet."""
         for key in [key for key in self._sent if key[0] < len(history)]:
             length, digest = key
             if hash(history[:length].tobytes()) == digest:
                 chain, expected = self._sent.pop(key)
-                self.accepted += prefix_length(chain, history[length:])
-                self.expected += expected
+                accepted = prefix_length(chain, history[length:])
+                if expected is None:  # a replay
+                    self.replay_accepted += accepted
+                    self.replay_rejected += accepted < len(chain)
+                else:
+                    self.accepted += accepted
+                    self.expected += expected
+        if len(history) > len(self.longest):
+            self.longest = history.astype(np.int32)
 
-    def sent(self, history: np.ndarray, chain: list[int], expected: float) -> None:
+    def sent(self, history: np.ndarray, chain: list[int], expected: float | None) -> None:
+        """Remember a chain sent to `history`: a tree's with its expected accepted length, a replay with None."""
         self._sent[len(history), hash(history.tobytes())] = (chain, expected)
         while len(self._sent) > self.SENT:
             self._sent.popitem(last=False)
+
+    def replay(self, history: np.ndarray, k: int) -> np.ndarray:
+        """Up to k ids that followed the history's last REPLAY_MATCH ids in the longest history served for this
+        prompt, at the place nearest the history's own end (a greedy repeat is there; a sampled one may meet
+        the earlier output again elsewhere). Empty where that history goes no further or shares no such run."""
+        stored, n, m = self.longest, len(history), self.REPLAY_MATCH
+        if len(stored) <= n or n < m:
+            return stored[:0]
+        tail = history[n - m:]
+        if np.array_equal(stored[n - m:n], tail):
+            return stored[n:n + k]
+        ends = np.flatnonzero(stored[m - 1:-1] == tail[-1]) + m  # places whose last id agrees, then the whole run
+        ends = ends[(stored[ends[:, None] - m + np.arange(m)] == tail).all(axis=1)]
+        if not len(ends):
+            return stored[:0]
+        at = ends[np.argmin(np.abs(ends - n))]
+        return stored[at:at + k]
+
+
+def worth(length: int, rate: float, token_cost: float) -> float:
+    """Expected accepted tokens of a chain whose tokens are each accepted with chance `rate`, less their cost."""
+    return float(np.sum(rate ** np.arange(1, length + 1) - token_cost))
 
 
 def prefix_length(draft: Sequence[int], truth: Sequence[int]) -> int:
@@ -188,7 +234,8 @@ class RequestMemory:
     its prompt is then history[:-1] (a request seen again after its entry was evicted takes its history
     so far), and `choose(prompt)` names its speaker. Entries are found by a hash of their first `HEAD`
     tokens, then checked on their whole prompt; the `capacity` most recently used are kept, so nothing grows
-    with the requests served. Requests with the same prompt share an entry."""
+    with the requests served (each keeps its prompt's longest history: 4096 of 2,000 ids are 33 MB).
+    Requests with the same prompt share an entry."""
 
     HEAD = 16
 
@@ -295,12 +342,25 @@ class ChainDrafter:
         deadline = time.perf_counter() + self.step_timeout
         trees = self._propose_rows(contexts, [r.speaker for r in requests], self.k, deadline)
         for (i, history), request, tree in zip(rows, requests, trees):
+            chain, gain = np.zeros(0, np.int64), 0.0
             if tree is not None and len(tree):
                 chain = best_chain(tree.parents, tree.probs * request.scale, self.token_cost)
+                gain = float((tree.probs[chain] * request.scale - self.token_cost).sum())
+            replay = self._replay(history, request)
+            if len(replay) and worth(len(replay), request.replay_rate, self.token_cost) > gain:
+                drafts[i] = replay.tolist()
+                request.sent(history, drafts[i], None)
+            elif len(chain):
                 drafts[i] = (tree.tokens[chain] + self.offset).tolist()
-                if len(chain):
-                    request.sent(history, drafts[i], float(tree.probs[chain].sum()))
+                request.sent(history, drafts[i], float(tree.probs[chain].sum()))
         return drafts
+
+    def _replay(self, history: np.ndarray, request: Request) -> np.ndarray:
+        """The earlier output's continuation (Request.replay), cut where a token's chance of acceptance (the
+        request's replay_rate to the power of its place) no longer pays for its verification."""
+        replay = request.replay(history, self.k)
+        pays = int(np.sum(request.replay_rate ** np.arange(1, len(replay) + 1) > self.token_cost))
+        return replay[:pays]
 
     def _propose_rows(self, contexts, speakers, depth, deadline=None, retriever=None) -> list:
         """A tree per context, each from its own speaker's store; in-process, None for the contexts

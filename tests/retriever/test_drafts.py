@@ -130,6 +130,43 @@ def test_a_request_that_accepts_nothing_is_sent_nothing_and_one_that_accepts_all
     assert len(drafter.propose([taken])[0]) >= 1
 
 
+def test_a_prompt_served_again_is_drafted_from_its_earlier_output(built, retriever):
+    _, corpus = built
+    drafter = ChainDrafter(retriever, k=8, speaker=None)
+    prompt, output = np.array(corpus[2]["tokens"][:30]), np.array(corpus[3]["tokens"][:80])
+    for p in range(1, len(output) + 1):  # the first request, step by step: drafted from the store
+        drafter.propose([np.concatenate([prompt, output[:p]])])
+    # the same prompt again (a greedy model says the same): every chain is what the earlier output said next
+    for p in range(1, 70, 8):
+        assert drafter.propose([np.concatenate([prompt, output[:p]])]) == [output[p:p + 8].tolist()]
+    # one that parted ways with it (sampled: two ids fewer) is continued from where its last 8 ids were said
+    shifted = np.concatenate([prompt, output[:20], output[22:50]])
+    assert drafter.propose([shifted]) == [output[50:58].tolist()]
+    other = np.concatenate([prompt[::-1], output[:40]])  # another prompt: nothing to replay
+    assert not len(drafter.requests.find(other).replay(other, 8))
+
+
+def test_replays_that_are_rejected_are_cut_then_left_for_the_store(built, retriever):
+    _, corpus = built
+    drafter = ChainDrafter(retriever, k=8, speaker=None)
+    prompt, output = np.array(corpus[4]["tokens"][:30]), np.array(corpus[5]["tokens"][:80])
+    drafter.propose([np.concatenate([prompt, output[:1]])])  # served once: first seen after its prefill,
+    drafter.propose([np.concatenate([prompt, output])])  # then near its end
+    history = np.concatenate([prompt, output[:40]])
+    request = drafter.requests.find(history)
+    assert len(drafter._replay(history, request)) == 8
+    for _ in range(20):  # served again, sampled: the engine takes another id than the replay's first, every time
+        chain = request.replay(history, 8).tolist()
+        request.sent(history, chain, None)
+        request.observe(np.append(history, chain[0] + 1))
+    assert request.replay_rate == 9 / 30
+    assert len(drafter._replay(history, request)) == 1  # 0.3 pays for a token's verification, 0.09 does not
+    tree = retriever.propose(history, max_depth=8)
+    chain = best_chain(tree.parents, tree.probs * request.scale, drafter.token_cost)
+    assert (tree.probs[chain] * request.scale - drafter.token_cost).sum() > 0.3 - drafter.token_cost
+    assert drafter.propose([history]) == [tree.tokens[chain].tolist()]  # the store's chain is worth more now
+
+
 def test_per_row_speakers_over_the_service_match_in_process(built, retriever):
     store, corpus = built
     speakers = list(retriever.speakers)

