@@ -213,9 +213,13 @@ class Request:
         return stored[at:at + k]
 
 
-def worth(length: int, rate: float, token_cost: float) -> float:
-    """Expected accepted tokens of a chain whose tokens are each accepted with chance `rate`, less their cost."""
-    return float(np.sum(rate ** np.arange(1, length + 1) - token_cost))
+def replay_chain(rate: float, token_cost: float, most: int) -> tuple[int, float]:
+    """How many tokens of a replay to send, and what they are worth: the t-th is accepted with chance rate ** t
+    (each after the one before), and is sent while that pays for its verification."""
+    length, chance, gain = 0, rate, 0.0
+    while length < most and chance > token_cost:
+        length, gain, chance = length + 1, gain + chance - token_cost, chance * rate
+    return length, gain
 
 
 def prefix_length(draft: Sequence[int], truth: Sequence[int]) -> int:
@@ -342,25 +346,19 @@ class ChainDrafter:
         deadline = time.perf_counter() + self.step_timeout
         trees = self._propose_rows(contexts, [r.speaker for r in requests], self.k, deadline)
         for (i, history), request, tree in zip(rows, requests, trees):
-            chain, gain = np.zeros(0, np.int64), 0.0
+            chain = np.zeros(0, np.int64)
             if tree is not None and len(tree):
                 chain = best_chain(tree.parents, tree.probs * request.scale, self.token_cost)
-                gain = float((tree.probs[chain] * request.scale - self.token_cost).sum())
-            replay = self._replay(history, request)
-            if len(replay) and worth(len(replay), request.replay_rate, self.token_cost) > gain:
-                drafts[i] = replay.tolist()
+            replay = request.replay(history, self.k)
+            length, replay_gain = replay_chain(request.replay_rate, self.token_cost, len(replay))
+            if length and replay_gain > float((tree.probs[chain] * request.scale - self.token_cost).sum()
+                                              if len(chain) else 0.0):
+                drafts[i] = replay[:length].tolist()
                 request.sent(history, drafts[i], None)
             elif len(chain):
                 drafts[i] = (tree.tokens[chain] + self.offset).tolist()
                 request.sent(history, drafts[i], float(tree.probs[chain].sum()))
         return drafts
-
-    def _replay(self, history: np.ndarray, request: Request) -> np.ndarray:
-        """The earlier output's continuation (Request.replay), cut where a token's chance of acceptance (the
-        request's replay_rate to the power of its place) no longer pays for its verification."""
-        replay = request.replay(history, self.k)
-        pays = int(np.sum(request.replay_rate ** np.arange(1, len(replay) + 1) > self.token_cost))
-        return replay[:pays]
 
     def _propose_rows(self, contexts, speakers, depth, deadline=None, retriever=None) -> list:
         """A tree per context, each from its own speaker's store; in-process, None for the contexts

@@ -14,7 +14,8 @@ import pytest
 from service_testing import ECHOSPEC, Server, make_store, post_json
 
 from echospec.retriever import RemoteRetriever, Retriever, RetrieverUnavailable
-from echospec.retriever.drafts import DRAFT_WEIGHTS, ChainDrafter, RequestMemory, SpeakerChoice, best_chain, contains
+from echospec.retriever.drafts import (DRAFT_WEIGHTS, ChainDrafter, RequestMemory, SpeakerChoice, best_chain, contains,
+                                       replay_chain)
 from echospec.retriever.vllm_proposer import make_drafter, read_options
 
 
@@ -154,13 +155,13 @@ def test_replays_that_are_rejected_are_cut_then_left_for_the_store(built, retrie
     drafter.propose([np.concatenate([prompt, output])])  # then near its end
     history = np.concatenate([prompt, output[:40]])
     request = drafter.requests.find(history)
-    assert len(drafter._replay(history, request)) == 8
+    assert replay_chain(request.replay_rate, drafter.token_cost, 8)[0] == 8  # 0.9 ** 8 = 0.43 still pays
     for _ in range(20):  # served again, sampled: the engine takes another id than the replay's first, every time
         chain = request.replay(history, 8).tolist()
         request.sent(history, chain, None)
         request.observe(np.append(history, chain[0] + 1))
     assert request.replay_rate == 9 / 30
-    assert len(drafter._replay(history, request)) == 1  # 0.3 pays for a token's verification, 0.09 does not
+    assert replay_chain(request.replay_rate, drafter.token_cost, 8) == (1, pytest.approx(0.2))  # 0.3 pays, 0.09 not
     tree = retriever.propose(history, max_depth=8)
     chain = best_chain(tree.parents, tree.probs * request.scale, drafter.token_cost)
     assert (tree.probs[chain] * request.scale - drafter.token_cost).sum() > 0.3 - drafter.token_cost
