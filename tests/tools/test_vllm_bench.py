@@ -1,0 +1,42 @@
+"""The vLLM side-by-side benchmark's offline parts, which need no vLLM: the prompt pool that never repeats a
+(speaker, text) prompt, and the replay of greedy outputs through echospec's chain drafter (first time and again)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from echospec.datastore import build
+from echospec.tools.benchmarks.vllm_side_by_side import prompt_pool, replay_drafters, steps_taken
+from echospec.tools.corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS
+from echospec.tools.corpus.tts_prompt import TTSMeta, encode_prompt
+
+
+def test_the_prompt_pool_never_repeats_a_speaker_and_text():
+    rows = [json.loads(line) for line in open(SAMPLE_PROMPTS)]
+    meta = TTSMeta.load(SAMPLE_MODEL_DIR)
+    pool = list(prompt_pool(rows, meta.speakers))
+    pairs = [(p["speaker"], p["text"]) for p in pool]
+    assert len(pairs) == len(set(pairs)) > len(rows)
+    assert {p["text"] for p in pool} == {r["text"] for r in rows}  # held-out texts only
+
+
+def test_steps_taken_counts_one_step_per_draft_plus_its_accepted_tokens():
+    assert steps_taken([1] * 10, lambda p: 0) == 10
+    assert steps_taken([1] * 10, lambda p: 8) == 2  # the first token, then 1 + 8 in one step
+    assert steps_taken([1] * 10, lambda p: 3) == 4  # positions 0, 1, 5, 9
+
+
+def test_a_prompt_served_again_is_replayed_from_its_earlier_output(tmp_path):
+    meta = TTSMeta.load(SAMPLE_MODEL_DIR)
+    store = tmp_path / "voices"
+    build(SAMPLE_CORPUS, store, faiss=False, progress=False)
+    corpus = [json.loads(line) for line in open(SAMPLE_CORPUS)][:6]
+    # the corpus' own utterances stand for greedy outputs (the store holds them: the first pass accepts a lot too)
+    runs = [(encode_prompt(meta, u["text"], u["speaker"]), [meta.speech_offset + t for t in u["tokens"]])
+            for u in corpus]
+    result = replay_drafters(store, meta, runs, k=8)
+    assert 1.0 < result["chain"] <= result["tree"] and result["chain"] < result["chain, again"]
+    assert result["chain, again"] > 7.0  # 9 at most with k = 8
+    assert ("suffix" in result) == ("suffix, again" in result)
