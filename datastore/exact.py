@@ -394,15 +394,17 @@ def save_npy(path: Path, arr: np.ndarray) -> None:
 class ExactStore:
     """A memory-mapped exact store. Opening maps its files: the cost does not grow with the corpus.
 
-    The stream and the suffix array are advised MADV_RANDOM: a look-up reads a few scattered pages, and the
-    kernel's read-around (8 MB a fault on a disk set up as this one is) would read and map whole stretches
-    of the store on every miss, so a replica without RAM for the store would read it all from disk (3,000
-    cold proposals on a 20M-token store mapped 100% of it with the default advice, 60% with this one)."""
+    `random_access` advises the stream and the suffix array MADV_RANDOM: a look-up reads a few scattered
+    pages, and the kernel's read-around (8 MB a fault on a disk set up as this one is) would read and map
+    whole stretches of the store on every miss, so a replica without RAM for the store would read it all from
+    disk (3,000 cold proposals on a 20M-token store mapped 100% of it with the default advice, 60% with this
+    one). A store that fits in RAM is better left to the read-around: it is read in a few large reads and then
+    served warm (Datastore chooses, see store.random_access)."""
 
     __slots__ = ("directory", "first", "index", "index_depth", "index_step", "sa", "sentinel", "tokens",
                  "vocab_size")
 
-    def __init__(self, directory: str | Path, vocab_size: int):
+    def __init__(self, directory: str | Path, vocab_size: int, random_access: bool = True):
         self.directory = Path(directory)
         # plain ndarray views of the maps: numba dispatches them ~3 us faster than np.memmap
         self.tokens, self.sa, self.first = (load_npy(self.directory / name, mmap=True) for name in FILES[:3])
@@ -413,8 +415,9 @@ class ExactStore:
                 raise DamagedStoreError(f"{self.directory}: exact store is damaged (index.npy does not fit its "
                                         f"suffix array); run `echospec info --verify`")
             self.index, self.index_step, self.index_depth = found
-        for arr in (self.tokens, self.sa):
-            _advise_random(arr)
+        if random_access:
+            for arr in (self.tokens, self.sa):
+                _advise_random(arr)
         if self.first.shape not in ((vocab_size + 1,), (0,)) or self.tokens.dtype != stream_dtype(vocab_size):
             raise DatastoreError(f"{self.directory}: exact store does not match the catalog's vocabulary")
         # What a header can get wrong that the kernels cannot survive (their entries they check per read).

@@ -5,9 +5,11 @@ from held-out utterances. Each variant runs in a fresh process, after the store'
 the page cache (fsync, then posix_fadvise(DONTNEED) on every file): `--proposals` proposals from cold, then
 the same again warm. Variants, alternated over `--rounds` rounds:
 
-  before     no sampled index, the kernel's default read-around (what the store did before index.npy)
-  random     no sampled index, the maps advised MADV_RANDOM
-  index      the sampled index and MADV_RANDOM (what a store does now)
+  before           no sampled index, the kernel's read-around (what the store did before index.npy)
+  random           no sampled index, the maps advised MADV_RANDOM
+  index            the sampled index and MADV_RANDOM (open_datastore(access="random"): what a store does where
+                   it does not fit in half the available memory)
+  index-readahead  the sampled index and the read-around (access="readahead": what a store that fits does)
 
 Reported per variant (median over rounds): the share of the store's pages the process maps after the cold
 proposals (its file-backed resident set, from /proc/self/smaps, against the files' sizes) per file, major page
@@ -19,7 +21,6 @@ faults per proposal (getrusage), and p50/p99 of the cold and the warm proposals 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import resource
@@ -33,7 +34,7 @@ import numpy as np
 
 from ...datastore.files import atomic_file
 
-VARIANTS = ("before", "random", "index")
+VARIANTS = ("before", "random", "index", "index-readahead")
 _RANGE = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
 
 
@@ -100,13 +101,10 @@ def run_variant(store: str, held: str, variant: str, n: int) -> dict:
     files = sorted(general.rglob("*.npy"))
     ctxs = contexts(Path(held), n)
     drop_cache(files)
-    r = Retriever(open_datastore(store), use_faiss=False)
-    if variant != "index":
+    access = "readahead" if variant in ("before", "index-readahead") else "random"
+    r = Retriever(open_datastore(store, access=access), use_faiss=False)
+    if not variant.startswith("index"):
         r._general[0][:, kernels.SHARD_INDEX_ROWS] = 0  # the kernels then search without the index
-    if variant == "before":
-        for shard in r.datastore.shards:
-            for arr in (shard.tokens, shard.sa):
-                arr.base._mmap.madvise(mmap.MADV_NORMAL)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     cold = _timed(r, ctxs)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults
