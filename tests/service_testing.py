@@ -68,6 +68,20 @@ what the command line does not offer. `uvicorn_version` makes the real check in 
 fast path (it was written for another version), and the service runs on uvicorn's own protocol."""
 
 
+def vm_flags(path: Path, pid: int | str = "self") -> list[set[str]]:
+    """The VmFlags of every mapping of `path` in process `pid` (Linux's /proc/PID/smaps): "rr" where the mapping
+    is advised MADV_RANDOM."""
+    flags, current = [], None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:  # a mapping's header line
+                current = len(parts) >= 6 and parts[5] == str(path)
+            elif current and line.startswith("VmFlags:"):
+                flags.append(set(parts[1:]))
+    return flags
+
+
 class Server:
     """`echospec serve STORE --port N ARGS` as a subprocess, or with `options` the library's `serve(...)`
     (see SERVE); `url` once `/healthz` answers."""

@@ -45,12 +45,13 @@ MAX_PARSED_QUERIES = 4096  # distinct propose query strings whose parse is kept
 
 
 class Service:
-    """The ASGI application. `stores` maps names to datastore directories, opened here (and warmed); one found
-    damaged is answered 503 `store_damaged` while the others are served, or with `strict` raises."""
+    """The ASGI application. `stores` maps names to datastore directories, opened here (and warmed) with
+    open_datastore's `access`; one found damaged is answered 503 `store_damaged` while the others are served,
+    or with `strict` raises."""
 
     def __init__(self, stores: dict[str, str | Path], api_key: str | None = None, limits: Limits = Limits(),
                  retriever_options: dict | None = None, reload_interval: float | None = 1.0, docs: bool = False,
-                 strict: bool = False):
+                 strict: bool = False, access: str = "auto"):
         for name in stores:
             check_store_name("store", name)
         paths = [Path(p).resolve() for p in stores.values()]
@@ -61,7 +62,7 @@ class Service:
         self.metrics = Metrics()
         self._parsed_queries: dict[bytes, dict] = {}
         self._damaged: set[str] = set()  # damaged-store messages already logged
-        self.stores = {name: StoreHandle(name, path, dict(retriever_options or {}), strict)
+        self.stores = {name: StoreHandle(name, path, dict(retriever_options or {}), strict, access)
                        for name, path in zip(stores, paths, strict=True)}
         for name, handle in self.stores.items():
             if handle.snapshot is None:
@@ -425,9 +426,10 @@ def http_protocol():
 
 def serve(stores: Sequence[str], host: str = "127.0.0.1", port: int = 8750, api_key_file: str | None = None,
           limits: Limits = Limits(), retriever_options: dict | None = None, reload_interval: float | None = 1.0,
-          log_level: str = "warning", docs: bool = False, strict: bool = False) -> None:
+          log_level: str = "warning", docs: bool = False, strict: bool = False, access: str = "auto") -> None:
     """Open `stores` (`PATH` or `NAME=PATH`) and serve them until interrupted; `docs` also serves the API's
-    description (/docs, /redoc, /openapi.json); `strict` refuses to start when a store is damaged."""
+    description (/docs, /redoc, /openapi.json); `strict` refuses to start when a store is damaged; `access`
+    says how the stores read from disk (open_datastore's: "auto", "random" or "readahead")."""
     import uvicorn
 
     named = dict(parse_store_arg(s) for s in stores)
@@ -439,7 +441,7 @@ def serve(stores: Sequence[str], host: str = "127.0.0.1", port: int = 8750, api_
         log.warning("listening on %s: proposals and store listings are readable by anyone who can reach it", host)
     if api_key is None:
         log.warning("no API key (%s or --api-key-file): enrollment is disabled", API_KEY_ENV)
-    service = Service(named, api_key, limits, retriever_options, reload_interval, docs, strict)
+    service = Service(named, api_key, limits, retriever_options, reload_interval, docs, strict, access)
     allow_open_files(limits.max_connections + OPEN_FILES_BESIDE_CONNECTIONS)
     # uvicorn answers 503 at max_connections + 1: read_guard closes idle connections first, so only when
     # every connection is busy.

@@ -32,13 +32,13 @@ class Snapshot:
     catalog_stamp: tuple[int, int]  # the catalog's (mtime_ns, size) just before it was read
 
     @classmethod
-    def open(cls, path: Path, retriever_options: dict) -> "Snapshot":
+    def open(cls, path: Path, retriever_options: dict, access: str = "auto") -> "Snapshot":
         try:
             stamp = catalog_stamp(path)  # taken first: a write racing with this open shows up as a change later
         except FileNotFoundError:
             open_datastore(path)  # raises DatastoreError with the reason (no directory, interrupted build)
             raise
-        ds = open_datastore(path)
+        ds = open_datastore(path, access=access)
         # Map every speaker store now: an enrollment deletes a replaced store's directory once its
         # catalog commit is done, and this snapshot may still answer for that speaker until the swap.
         for speaker in ds.speakers:
@@ -65,13 +65,13 @@ class StoreHandle:
     until its catalog changes (a rebuild) and it opens. `strict` raises instead. A path that is no datastore
     at all (no directory, no catalog) is a mistake in the command, not damage: it always raises."""
 
-    def __init__(self, name: str, path: Path, retriever_options: dict, strict: bool = False):
-        self.name, self.path, self.retriever_options = name, path, retriever_options
+    def __init__(self, name: str, path: Path, retriever_options: dict, strict: bool = False, access: str = "auto"):
+        self.name, self.path, self.retriever_options, self.access = name, path, retriever_options, access
         self.write_lock = threading.Lock()  # held by the worker thread, so a dropped client cannot free it
         self.damage: str | None = None  # why the datastore could not be opened
         self.damage_stamp: tuple[int, int] | None = None  # its catalog's stamp then
         try:
-            self.snapshot: Snapshot | None = Snapshot.open(path, retriever_options)
+            self.snapshot: Snapshot | None = Snapshot.open(path, retriever_options, access)
         except DatastoreError as e:
             if strict or not (path / CATALOG).is_file():
                 raise
@@ -97,7 +97,7 @@ class StoreHandle:
             except DatastoreError as e:  # CorpusError included; the service's checks make this rare
                 raise ServiceError(422, "enroll_rejected", str(e)) from None
             if done.added or replace:
-                self.snapshot = Snapshot.open(self.path, self.retriever_options)
+                self.snapshot = Snapshot.open(self.path, self.retriever_options, self.access)
             return self.snapshot, done
 
     def reload_if_changed(self) -> bool:
@@ -108,7 +108,7 @@ class StoreHandle:
             if _stamp_or_none(self.path) == seen:
                 return False
             try:
-                self.snapshot = Snapshot.open(self.path, self.retriever_options)
+                self.snapshot = Snapshot.open(self.path, self.retriever_options, self.access)
             except DatastoreError as e:
                 if self.snapshot is None:  # still damaged: tried again when the catalog changes next
                     self.damage, self.damage_stamp = str(e), _stamp_or_none(self.path)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from service_testing import copy_store, make_store
+from service_testing import copy_store, make_store, vm_flags
 
 from echospec.datastore import open_datastore
 from echospec.datastore.store import memory_available, random_access
@@ -26,19 +26,6 @@ def test_auto_advises_random_only_where_the_store_would_not_fit_in_half_the_memo
         random_access("sequential", 1, 1)
     available = memory_available()
     assert available is None or available > 0
-
-
-def vm_flags(path: Path) -> list[set[str]]:
-    """The VmFlags of every mapping of `path` in this process."""
-    flags, current = [], None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            parts = line.split()
-            if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:  # a mapping's header line
-                current = len(parts) >= 6 and parts[5] == str(path)
-            elif current and line.startswith("VmFlags:"):
-                flags.append(set(parts[1:]))
-    return flags
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the advice back from Linux's smaps")

@@ -40,10 +40,14 @@ from ..commands import fail_cleanly, needs_extra
               help="Seconds a request may take to arrive whole.")
 @click.option("--strict", is_flag=True, help="Refuse to start when a store is damaged (without it, the others are "
               "served and requests for it answered 503).")
+@click.option("--access", type=click.Choice(["auto", "random", "readahead"]), default="auto", show_default=True,
+              help="How stores read from disk on a page-cache miss: readahead (large reads, for a store that fits in "
+              "memory), random (4 kB, for one that does not), auto (random when the store takes over half the "
+              "available memory).")
 @needs_extra("service")
 @fail_cleanly
 def serve(stores, host, port, api_key_file, max_body_mb, max_batch, max_nodes, max_depth, weights, reload_interval,
-          log_level, docs, max_connections, keep_alive, read_timeout, strict) -> None:
+          log_level, docs, max_connections, keep_alive, read_timeout, strict, access) -> None:
     """Serve datastores over HTTP: propose, list stores and speakers, enroll, /healthz, /metrics.
 
     Each STORE is a datastore directory, served under its directory name, or NAME=DIR.
@@ -56,7 +60,7 @@ def serve(stores, host, port, api_key_file, max_body_mb, max_batch, max_nodes, m
     run(stores, host=host, port=port, api_key_file=api_key_file, limits=limits,
         retriever_options={"max_nodes": max_nodes, "max_depth": max_depth, **({"weights": weights} if weights else {})},
         reload_interval=reload_interval or None,
-        log_level=log_level, docs=docs, strict=strict)
+        log_level=log_level, docs=docs, strict=strict, access=access)
 
 
 def parse_weights(value: str | None) -> tuple[float, ...] | None:
