@@ -162,6 +162,19 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+def proc_bytes(path: str, field: str) -> int | None:
+    """A "Field:  N kB" line of a Linux /proc file (/proc/meminfo, /proc/self/status) in bytes; None where the
+    file or the field is missing."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in `path` durable."""
     fd = os.open(path, os.O_RDONLY)

@@ -25,6 +25,7 @@ from concurrent.futures.process import BrokenProcessPool
 import multiprocessing
 
 from .errors import CorpusError, DatastoreError
+from .files import proc_bytes
 from .tasks import partition_unit
 
 Job = tuple[object, Callable, dict, int]  # key, task, keyword arguments, bytes of memory the task needs
@@ -233,11 +234,7 @@ def import_ray():
 
 def available_memory() -> int:
     """Bytes this machine can still give (MemAvailable), or a generous guess where /proc is absent."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import catalog
 from .errors import DatastoreError
+from .files import proc_bytes
 from .exact import ExactStore
 
 N_MIN = 1
@@ -60,18 +61,6 @@ def random_access(access: str, store_bytes: int, available: int | None) -> bool:
     return available is None or store_bytes > available // 2
 
 
-def memory_available() -> int | None:
-    """Bytes of memory available for new work without swapping (Linux's MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 class Datastore:
     """An open datastore. Thread-safe for reads; stores are memory-mapped."""
 
@@ -92,8 +81,9 @@ class Datastore:
         self._speaker_dirs = {name: root / self._stores[row["store"]]["directory"]
                               for name, row in self._speakers.items()}
         directories = [row["directory"] for row in self._shards] or [self._stores["general"]["directory"]]
-        mapped = sum((root / d / name).stat().st_size for d in directories for name in ("tokens.npy", "sa.npy"))
-        self.random_access = random_access(access, mapped, memory_available())
+        mapped = {f"{d}/{name}" for d in directories for name in ("tokens.npy", "sa.npy")}
+        store_bytes = sum(row["bytes"] for row in self._files if row["path"] in mapped)  # sizes checked by catalog.read
+        self.random_access = random_access(access, store_bytes, proc_bytes("/proc/meminfo", "MemAvailable"))
         """Whether the stores are advised MADV_RANDOM (see random_access)."""
         self.shards = tuple(ExactStore(root / d, self.vocab_size, self.random_access) for d in directories)
         """The general store: its shards, each an exact store (most datastores have one)."""

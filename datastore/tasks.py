@@ -43,7 +43,7 @@ from .catalog import sha256
 from .corpus import UniqueIds, Vocabulary, read_batches, split_layout_breaks
 from .errors import DatastoreError, one_line
 from .exact import FILES, concat_segments, join_segments, write_exact_stream
-from .files import atomic_dir
+from .files import atomic_dir, proc_bytes
 from .partition import CHUNK_TOKENS, PartitionWriter, stable_hash, unpack_strings  # noqa: F401 (the build's names)
 
 MANIFEST = "manifest.json"
@@ -227,12 +227,8 @@ def peak_rss() -> int:
     """This process's peak resident set so far, in bytes: VmHWM where Linux's /proc has it, because ru_maxrss
     keeps the high-water mark of the process that forked this one across exec (a worker spawned by a
     driver holding 10 GB reported 10 GB), else ru_maxrss."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = proc_bytes("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss if sys.platform == "darwin" else maxrss * 1024  # macOS reports bytes, the others KiB
