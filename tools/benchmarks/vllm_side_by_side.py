@@ -29,6 +29,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -182,29 +183,25 @@ def replay_drafters(store: Path, meta, runs: list[tuple[list[int], list[int]]], 
     retriever = Retriever(store)
     options = {"store": str(store), "speaker": None, "speech_offset": meta.speech_offset}
     chain, oracle = make_drafter(options, k), make_drafter(options, k)
+    def tree_accepts(prompt, output, p):
+        speech = local_speech(np.array(prompt + output[:p]), meta.speech_offset, meta.speech_vocab_size)
+        return retriever.propose(speech, None, max_depth=k).matched_depth(np.array(output[p:]) - meta.speech_offset)
+
     tokens = sum(len(output) for _, output in runs)
-    steps: dict[str, int] = {}
+    steps: Counter[str] = Counter()
     for request, (prompt, output) in enumerate(runs):
-        tree = np.zeros(len(output), np.int64)
-        for p in range(1, len(output)):  # the tree is stateless: what it would accept at every position p
-            speech = local_speech(np.array(prompt + output[:p]), meta.speech_offset, meta.speech_vocab_size)
-            tree[p] = retriever.propose(speech, None, max_depth=k).matched_depth(np.array(output[p:]) - meta.speech_offset)
-        counted = {"chain": steps_taken(output, lambda p: draft_accepts(chain, prompt, output, p)),
-                   "tree": steps_taken(output, lambda p: tree[p])}
+        steps["chain"] += steps_taken(output, lambda p: draft_accepts(chain, prompt, output, p))
+        steps["tree"] += steps_taken(output, lambda p: tree_accepts(prompt, output, p))
         if cache is not None:
             suffix = suffix_accepts(cache, request, prompt, output, k)
-            counted["suffix"] = steps_taken(output, lambda p: suffix[p])
-            counted["better of chain and suffix"] = steps_taken(
+            steps["suffix"] += steps_taken(output, lambda p: suffix[p])
+            steps["better of chain and suffix"] += steps_taken(
                 output, lambda p: max(draft_accepts(oracle, prompt, output, p), suffix[p]))
-        for kind, n in counted.items():
-            steps[kind] = steps.get(kind, 0) + n
     for request, (prompt, output) in enumerate(runs):  # served again
-        counted = {"chain, again": steps_taken(output, lambda p: draft_accepts(chain, prompt, output, p))}
+        steps["chain, again"] += steps_taken(output, lambda p: draft_accepts(chain, prompt, output, p))
         if cache is not None:
             suffix = suffix_accepts(cache, len(runs) + request, prompt, output, k)
-            counted["suffix, again"] = steps_taken(output, lambda p: suffix[p])
-        for kind, n in counted.items():
-            steps[kind] = steps.get(kind, 0) + n
+            steps["suffix, again"] += steps_taken(output, lambda p: suffix[p])
     return {kind: round(tokens / max(n, 1), 3) for kind, n in steps.items()}
 
 
