@@ -14,15 +14,12 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
-
 from . import catalog, pipeline
 from .corpus import Vocabulary, corpus_files
 from .errors import CorpusError, DatastoreError
 from .exact import stream_dtype
 from .files import atomic_dir, recover_dir, remove_abandoned
 from .store import N_MAX, N_MIN, Datastore, open_datastore
-from .tasks import unpack_strings
 
 
 def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embeddings=None,
@@ -82,41 +79,59 @@ def build(corpus, store_dir, per_speaker: bool = True, faiss: bool = True, embed
                                              **({"drop_non_speech": True} if drop_non_speech else {})})
     remove_abandoned(target, "building")
     runner = pipeline.make_runner(ray, workers, shards)
-    try:
-        outcome = pipeline.run(work, files, vocab, codebooks, shards, per_speaker, int(n_max), runner, progress)
-    except CorpusError:
-        shutil.rmtree(work, ignore_errors=True)  # the corpus must change: nothing here will be reused
-        raise
-    finally:
-        runner.close()
-    _assemble(target, work, outcome, codebooks, n_min, n_max, per_speaker, faiss, embeddings, faiss_options, corpus,
-              started)
+    with atomic_dir(target, tag="building") as tmp:
+        try:
+            parts = pipeline.partition(work, files, vocab, codebooks, shards, per_speaker, runner, progress)
+            meta = _meta(parts.vocab, codebooks, n_min, n_max, per_speaker, faiss, corpus, shards, parts.dropped)
+            outcome, (speaker_utterances, rows_seconds) = _stores_beside_rows(
+                tmp, meta, work, parts, codebooks, shards, per_speaker, int(n_max), runner, progress)
+        except CorpusError:
+            shutil.rmtree(work, ignore_errors=True)  # the corpus must change: nothing here will be reused
+            raise
+        finally:
+            runner.close()
+        outcome.seconds.update(rows_seconds)
+        _assemble(tmp, work, outcome, speaker_utterances, faiss, embeddings, faiss_options, started)
     for leftover in target.parent.glob(f".{target.name}.work-*"):
         shutil.rmtree(leftover, ignore_errors=True)
     return open_datastore(target)
 
 
-def _assemble(target: Path, work: Path, outcome, codebooks, n_min, n_max, per_speaker, faiss, embeddings,
-              faiss_options, corpus, started: float) -> None:
-    """The datastore from the finished tasks: their stores linked in, the catalog written, the FAISS store
-    built over the shards, all in a temporary directory renamed to `target` once complete."""
+def _stores_beside_rows(tmp: Path, meta: dict, work: Path, parts, codebooks, shards, per_speaker, depth, runner,
+                        progress):
+    """Build the stores while a process of its own writes the catalog and its utterance rows (rows.py); returns
+    the stores' outcome, and the utterances per speaker with the rows' seconds."""
+    from . import rows as catalog_rows  # imported here: `python -m echospec.datastore.rows` runs that module
+    if sum(u["utterances"] for u in parts.units) < catalog_rows.ROWS_APART:
+        outcome = pipeline.build_stores(work, parts, codebooks, shards, per_speaker, depth, runner, progress)
+        return outcome, catalog_rows.write_catalog(tmp, meta, work, parts.units)
+    rows = catalog_rows.RowsProcess(tmp, meta, work, parts.units)
+    try:
+        outcome = pipeline.build_stores(work, parts, codebooks, shards, per_speaker, depth, runner, progress)
+    except BaseException:
+        rows.kill()
+        raise
+    return outcome, rows.result()
+
+
+def _assemble(tmp: Path, work: Path, outcome, speaker_utterances: Counter, faiss, embeddings, faiss_options,
+              started: float) -> None:
+    """The datastore from the finished tasks in the temporary directory that the caller renames to the target:
+    their stores linked in and recorded in the catalog, the FAISS store built over the shards."""
     vocab = outcome.vocab
-    with atomic_dir(target, tag="building") as tmp:
-        db = catalog.create(tmp, _meta(vocab, codebooks, n_min, n_max, per_speaker, faiss, corpus,
-                                       len(outcome.shards), outcome.dropped))
-        speaker_utterances = _insert_partition_rows(db, work, outcome.units)
-        shard_dirs = _place_shards(db, tmp, work, outcome)
-        _place_speakers(db, tmp, work, outcome.groups, speaker_utterances)
-        if faiss:
-            from .faiss_store import write_faiss_store
-            info = write_faiss_store(tmp / "faiss", shard_dirs, vocab.size, embeddings,
-                                     speech_offset=vocab.speech_offset, **(faiss_options or {}))
-            record_store(db, tmp, "faiss", tmp / "faiss", None, sum(u["utterances"] for u in outcome.units),
-                         {"tokens": info.pop("vectors"), "segments": 0}, kind="faiss", params=info)
-        catalog.set_meta(db, {"build_seconds": round(time.perf_counter() - started, 3),
-                              "build_phases": outcome.seconds, "build_tasks": _task_report(outcome),
-                              "layout_breaks": outcome.layout_breaks})
-        catalog.finish(db, tmp)
+    db = catalog.partial(tmp)
+    shard_dirs = _place_shards(db, tmp, work, outcome)
+    _place_speakers(db, tmp, work, outcome.groups, speaker_utterances)
+    if faiss:
+        from .faiss_store import write_faiss_store
+        info = write_faiss_store(tmp / "faiss", shard_dirs, vocab.size, embeddings,
+                                 speech_offset=vocab.speech_offset, **(faiss_options or {}))
+        record_store(db, tmp, "faiss", tmp / "faiss", None, sum(u["utterances"] for u in outcome.units),
+                     {"tokens": info.pop("vectors"), "segments": 0}, kind="faiss", params=info)
+    catalog.set_meta(db, {"build_seconds": round(time.perf_counter() - started, 3),
+                          "build_phases": outcome.seconds, "build_tasks": _task_report(outcome),
+                          "layout_breaks": outcome.layout_breaks})
+    catalog.finish(db, tmp)
 
 
 def _task_report(outcome) -> list[dict]:
@@ -189,25 +204,6 @@ def _link_files(source: Path, directory: Path, files: list[dict]) -> None:
 def _file_rows(root: Path, store: str, directory: Path, files: list[dict]) -> list[dict]:
     return [{"path": (directory / row["name"]).relative_to(root).as_posix(), "store": store,
              "bytes": row["bytes"], "sha256": row["sha256"]} for row in files]
-
-
-def _insert_partition_rows(db, work: Path, units: list[dict]) -> Counter:
-    """The utterances' catalog rows, in corpus order, from the partition tasks' meta files, a file's rows
-    at once in one transaction; returns utterances per speaker."""
-    per_speaker: Counter = Counter()
-    with db.atomic():
-        for unit in units:
-            directory = work / "parts" / f"unit-{unit['unit']:06d}"
-            for name in sorted(n for n in unit["files"] if n.endswith(".meta.npz")):
-                with np.load(directory / name, allow_pickle=False) as data:
-                    ids, speakers, sources, extras = (unpack_strings(data, key)
-                                                      for key in ("ids", "speakers", "sources", "extras"))
-                    tokens = data["tokens"].tolist()
-                speakers = [s or None for s in speakers]
-                per_speaker.update(speakers)
-                db.conn.executemany(INSERT_UTTERANCE, zip(ids, speakers, tokens, sources,
-                                                          [e or None for e in extras]))
-    return per_speaker
 
 
 def _check_build_options(vocab_size, speech_offset, n_min, n_max, codebooks) -> None:

@@ -1,5 +1,6 @@
-"""The tasks of a build, in order: partition the corpus units, then build every shard of the general store
-and every speaker group; finished work found in the work directory is reused (see tasks.py).
+"""The tasks of a build, in order: partition the corpus units (`partition`), then build every shard of the
+general store and every speaker group (`build_stores`); finished work found in the work directory is reused
+(see tasks.py).
 
 Memory a task needs (measured by tools/benchmarks/bench_shards.py: 23 B per token, 4.6 GB for a 199M-token
 store): the single-store builder's peak is the suffix array (4 B a token), key words 0 and 1 (2 x 8 B), the
@@ -42,11 +43,6 @@ class Outcome:
     seconds: dict  # wall-clock seconds of each phase: reading the corpus, building the stores
 
     @property
-    def dropped(self) -> dict:
-        """Ids left out for being outside the speech range (drop_non_speech): how many, from how many utterances."""
-        return {key: sum(u.get(f"dropped_{key}", 0) for u in self.units) for key in ("tokens", "utterances")}
-
-    @property
     def layout_breaks(self) -> int:
         """Places where a segment was split for a token outside the codebook due (see corpus.split_layout_breaks)."""
         return sum(shard["layout_breaks"] for shard in self.shards)
@@ -67,11 +63,23 @@ def make_runner(ray: str | None, workers: int | None, shards: int):
     return LocalRunner(workers if workers is not None else min(os.cpu_count() or 1, shards))
 
 
-def run(work: Path, files: list[Path], vocab: Vocabulary, codebooks: int, shards: int, per_speaker: bool,
-        depth: int, runner, progress: bool) -> Outcome:
+@dataclass
+class Partitioned:
+    vocab: Vocabulary  # with its size known
+    units: list[dict]  # partition_unit's counts, in corpus order
+    seconds: dict  # reading the corpus: wall and this process's CPU seconds
+
+    @property
+    def dropped(self) -> dict:
+        """Ids left out for being outside the speech range (drop_non_speech): how many, from how many utterances."""
+        return {key: sum(u.get(f"dropped_{key}", 0) for u in self.units) for key in ("tokens", "utterances")}
+
+
+def partition(work: Path, files: list[Path], vocab: Vocabulary, codebooks: int, shards: int, per_speaker: bool,
+              runner, progress: bool) -> Partitioned:
+    """Read the corpus into the work directory's per-shard and per-speaker-group files (the first task)."""
     started, cpu = time.perf_counter(), time.process_time()
     units = _partition(work, files, vocab, shards, per_speaker, runner, progress)
-    read, read_cpu = time.perf_counter(), time.process_time()
     if sum(u["tokens"] for u in units) == 0:  # said alone: no warning about what was skipped first
         names = ", ".join(str(f) for f in files)
         raise CorpusError(f"{names}: corpus is empty (no speech tokens)")
@@ -85,6 +93,15 @@ def run(work: Path, files: list[Path], vocab: Vocabulary, codebooks: int, shards
     if vocab.size is None:  # the largest id seen, rounded up to whole codebooks
         size = -(-(max(u["max_id"] for u in units) + 1) // codebooks) * codebooks
         vocab = dataclasses.replace(vocab, size=size)
+    return Partitioned(vocab, units, {"read": round(time.perf_counter() - started, 3),
+                                      "read_cpu": round(time.process_time() - cpu, 3)})
+
+
+def build_stores(work: Path, parts: Partitioned, codebooks: int, shards: int, per_speaker: bool, depth: int, runner,
+                 progress: bool) -> Outcome:
+    """Build every shard and speaker group from the partition files (the tasks after `partition`)."""
+    read, read_cpu = time.perf_counter(), time.process_time()
+    vocab, units = parts.vocab, parts.units
     shard_tokens = [sum(u["shard_tokens"][i] for u in units) for i in range(shards)]
     _check_shard_sizes([t + sum(u["shard_segments"][i] for u in units) + 1 for i, t in enumerate(shard_tokens)],
                        shards)
@@ -104,8 +121,8 @@ def run(work: Path, files: list[Path], vocab: Vocabulary, codebooks: int, shards
         bar.update()
     bar.close()
     # wall seconds of each phase, and this process's CPU seconds (all of a build's when it runs its tasks itself)
-    seconds = {"read": round(read - started, 3), "stores": round(time.perf_counter() - read, 3),
-               "read_cpu": round(read_cpu - cpu, 3), "stores_cpu": round(time.process_time() - read_cpu, 3)}
+    seconds = {**parts.seconds, "stores": round(time.perf_counter() - read, 3),
+               "stores_cpu": round(time.process_time() - read_cpu, 3)}
     return Outcome(vocab, units, [done[("shard", i)] for i in range(shards)],
                    [done[("group", j)] for j in range(groups)], seconds)
 

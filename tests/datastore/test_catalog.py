@@ -9,10 +9,11 @@ import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from echospec.datastore import FORMAT_VERSION, DatastoreError, build, open_datastore
+from echospec.datastore import FORMAT_VERSION, CorpusError, DatastoreError, build, open_datastore
 
 
 def make_corpus(path, n_utts=40, seed=0, vocab=64):
@@ -125,6 +126,50 @@ def test_killed_build_leaves_nothing_that_looks_valid(tmp_path):
         open_datastore(leftover)
     build(corpus, tmp_path / "store", faiss=False, progress=False)  # the next build clears the leftover
     assert not list(tmp_path.glob(".store.building-*"))
+
+
+def catalog_rows(store):
+    db = sqlite3.connect(store / "catalog.sqlite")
+    rows = [db.execute(query).fetchall() for query in ("SELECT * FROM utterances ORDER BY rowid",
+                                                       "SELECT name, utterances, tokens FROM speakers ORDER BY name",
+                                                       "SELECT name, utterances, tokens FROM stores ORDER BY name")]
+    db.close()
+    return rows
+
+
+def test_rows_written_beside_the_stores_equal_the_drivers(tmp_path, monkeypatch):
+    """A build of ROWS_APART utterances or more writes its catalog in a process of its own while the stores
+    build (rows.py): the very catalog rows the driver writes after them for a smaller build."""
+    corpus = make_corpus(tmp_path / "c.jsonl", n_utts=300)
+    build(corpus, tmp_path / "driver", faiss=False, progress=False)
+    monkeypatch.setattr("echospec.datastore.rows.ROWS_APART", 0)
+    build(corpus, tmp_path / "apart", faiss=False, progress=False)
+    assert catalog_rows(tmp_path / "apart") == catalog_rows(tmp_path / "driver")
+    assert len(catalog_rows(tmp_path / "apart")[0]) == 300
+    phases = [open_datastore(tmp_path / name).info()["build_phases"] for name in ("driver", "apart")]
+    assert [p.get("catalog_rows_apart") for p in phases] == [None, 1] and phases[1]["catalog_rows"] > 0
+    assert open_datastore(tmp_path / "apart", verify=True).speakers == ("s0", "s1", "s2")
+
+
+def test_a_failed_build_ends_its_rows_process(tmp_path, monkeypatch):
+    """A store task fails (a repeated id is found where its copies meet): the rows' process is killed, and the
+    build leaves no datastore and no temporary directory."""
+    monkeypatch.setattr("echospec.datastore.rows.ROWS_APART", 0)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": uid, "speaker": "s", "tokens": [1, 2, 3]}) + "\n"
+                              for uid in ("a", "b", "a")))
+    with pytest.raises(CorpusError, match="utterance id 'a' is already used"):
+        build(corpus, tmp_path / "store", faiss=False, progress=False)
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields, cmdline = stat.read_text().rsplit(")", 1)[1].split(), (stat.parent / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == os.getpid() and b"echospec.datastore.rows" in cmdline:
+            children.append(stat.parent.name)
+    assert children == []
+    assert not (tmp_path / "store").exists() and not list(tmp_path.glob(".store.*"))
 
 
 def damage(store, *statements):

@@ -25,12 +25,15 @@ is read in parallel too), one held-out split:
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,8 +96,10 @@ def split_resampled(n_tokens: int, n_held: int, n_files: int, out: Path, seed: i
 def phased_build(corpus: str, store: Path, shards: int, per_speaker: bool) -> dict:
     """One build in this process with every phase timed: reading the corpus alone (the batch readers, to
     the end), then the build (partition = reading + splitting into shard files, sort = the shard and
-    speaker-store tasks, catalog = the rest: linking the stores in, the catalog rows, the rename), then
-    opening it with --verify (every file's sha256, the catalog's integrity check)."""
+    speaker-store tasks, catalog = the rest: linking the stores in, the rename, the catalog rows where they
+    were not written beside the sort; rows = the catalog rows' own seconds, beside the sort in a process of
+    their own for big builds, whose CPU the catalog's counts), then opening it with --verify (every file's
+    sha256, the catalog's integrity check)."""
     from ...datastore.corpus import Vocabulary, corpus_files, corpus_units, read_batches
 
     started, cpu = time.perf_counter(), time.process_time()
@@ -102,15 +107,18 @@ def phased_build(corpus: str, store: Path, shards: int, per_speaker: bool) -> di
     read, read_cpu = time.perf_counter() - started, time.process_time() - cpu
     cpu = time.process_time()
     built = timed_build(corpus, store, shards, per_speaker, workers=1)
-    build_cpu = time.process_time() - cpu
+    apart = built["phases"].get("catalog_rows_apart")  # the catalog rows' process is the build's CPU too
+    build_cpu = time.process_time() - cpu + (built["phases"]["catalog_rows_cpu"] if apart else 0)
     started, cpu = time.perf_counter(), time.process_time()
     open_datastore(store, verify=True)
     verify, verify_cpu = time.perf_counter() - started, time.process_time() - cpu
     phases = {"read": read, "partition": built["phases"]["read"], "sort": built["phases"]["stores"],
-              "catalog": built["assemble_seconds"], "verify": verify}
+              "catalog": built["assemble_seconds"], "verify": verify,
+              "rows": built["phases"].get("catalog_rows", 0)}
     # CPU seconds: what the phase costs a core, whatever else the machine runs (this one is shared)
     cpu_phases = {"read": read_cpu, "partition": built["phases"].get("read_cpu", 0),
-                  "sort": built["phases"].get("stores_cpu", 0), "verify": verify_cpu}
+                  "sort": built["phases"].get("stores_cpu", 0), "verify": verify_cpu,
+                  "rows": built["phases"].get("catalog_rows_cpu", 0)}
     cpu_phases["catalog"] = build_cpu - cpu_phases["partition"] - cpu_phases["sort"]
     return {**built, "read_tokens": tokens, "phase_seconds": phases, "phase_cpu_seconds": cpu_phases,
             "build_cpu_seconds": build_cpu,
@@ -287,6 +295,57 @@ def sort_side_by_side(n_tokens: int, baseline: str, rounds: int, seed: int) -> d
             "speedup_cpu": float(np.median(row["baseline"]["cpu_s"]) / np.median(row["now"]["cpu_s"]))}
 
 
+BUILD_CALL = ("import json, sqlite3, sys, time; from echospec.datastore import build; started = time.perf_counter(); "
+              "build(sys.argv[1], sys.argv[2], shards=int(sys.argv[3]), workers=1, faiss=False, progress=False, "
+              "force=True); seconds = time.perf_counter() - started; "
+              "meta = dict(sqlite3.connect(sys.argv[2] + '/catalog.sqlite').execute('SELECT key, value FROM meta')); "
+              "print(json.dumps({'seconds': seconds, 'phases': json.loads(meta['build_phases'])}))")
+
+
+def build_side_by_side(corpus: str, out: Path, shards: int, baseline: str, rounds: int) -> dict:
+    """One-process builds (general + speaker stores) by `baseline`'s echospec.datastore and today's, alternating
+    over `rounds`, each in a fresh process: the whole build, what one phase's figures cannot show."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(baseline_package(baseline)),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    warm_up = out / "warm-up.jsonl"  # a small build first, outside the clock: numba compiles (or loads its cache)
+    warm_up.write_text("".join(json.dumps({"id": f"w{i}", "speaker": "s", "tokens": [i % 7, 3, 5, i % 11]}) + "\n"
+                               for i in range(50)))
+    runs = {"baseline": [], "now": []}
+    for timed in [False] + [True] * rounds:
+        for key, environment in (("baseline", env), ("now", None)):
+            store = out / f"store-side-by-side-{shards}"
+            done = subprocess.run([sys.executable, "-c", BUILD_CALL, corpus if timed else str(warm_up), str(store),
+                                   str(shards)], env=environment, capture_output=True, text=True)
+            if done.returncode:
+                raise click.ClickException(f"the {key} build failed:\n{done.stderr[-3000:]}")
+            if timed:
+                runs[key].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            shutil.rmtree(store)
+    median = {k: float(np.median([r["seconds"] for r in v])) for k, v in runs.items()}
+    return {"baseline": baseline, "shards": shards, "rounds": rounds, "runs": runs, "median_seconds": median,
+            "time_ratio": median["now"] / median["baseline"],
+            "time_ratios": [n["seconds"] / b["seconds"] for b, n in zip(runs["baseline"], runs["now"])]}
+
+
+def baseline_package(revision: str) -> Path:
+    """A folder holding echospec/datastore as it was at `revision` (git archive): first on PYTHONPATH, it is the
+    echospec.datastore a build imports (a build needs nothing else of echospec)."""
+    from .bench_ingest import REPO
+
+    root = Path(tempfile.gettempdir()) / "echospec-baselines" / f"package-{revision}"
+    if not (root / "echospec" / "datastore").is_dir():
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", revision, "datastore"], check=True,
+                                 capture_output=True).stdout
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root.parent))
+        (tmp / "echospec").mkdir()
+        tarfile.open(fileobj=io.BytesIO(archive)).extractall(tmp / "echospec", filter="data")
+        (tmp / "echospec" / "__init__.py").touch()
+        shutil.rmtree(root, ignore_errors=True)
+        tmp.rename(root)
+    return root
+
+
 def projection(builds: dict, memory: dict, pairs: dict) -> dict:
     """15 B tokens on paper, from the measured figures: one worker's whole-build throughput (reading, the
     general shards and the speaker stores), a shard task's memory, the driver's catalog rate, and how much
@@ -331,10 +390,13 @@ def projection(builds: dict, memory: dict, pairs: dict) -> dict:
 @click.option("--sort-baseline", default=None,
               help="also time one store's sort side by side with datastore/exact.py at this git revision")
 @click.option("--sort-tokens", type=click.IntRange(min=100_000), default=20_000_000, show_default=True)
+@click.option("--build-baseline", default=None,
+              help="also time whole one-process builds (each --phases shard count) side by side with "
+                   "echospec.datastore at this git revision, alternating --rounds times")
 @click.option("--keep", is_flag=True, help="keep the phase-timed stores and write the held-out utterances to "
                                            "OUT/held.npz (for bench_pages --store OUT/store-phased-S --held ...)")
 def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, use_ray, n_held, calls, rounds, seed,
-         kind, phase_shards, phases_only, sort_baseline, sort_tokens, keep):
+         kind, phase_shards, phases_only, sort_baseline, sort_tokens, build_baseline, keep):
     """Build throughput against workers and proposals over shards; writes OUT/shards.json and OUT/shards.md."""
     pin_threads(THREADS)
     out.mkdir(parents=True, exist_ok=True)
@@ -358,6 +420,13 @@ def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, us
             + f"; end to end {phased[s]['tokens_per_s'] / 1e6:.2f} M tokens/s, peak {phased[s]['process_peak_rss_mb']:.0f} MB")
         if not keep:
             shutil.rmtree(out / f"store-phased-{s}")
+        if build_baseline:
+            side = build_side_by_side(corpus, out, s, build_baseline, rounds)
+            phased[s]["build_side_by_side"] = side
+            click.echo(f"whole build, {s} shard{'s' * (s > 1)}, side by side with {build_baseline}: "
+                       f"{side['median_seconds']['baseline']:.1f} s -> {side['median_seconds']['now']:.1f} s (median "
+                       f"of {rounds}; now / baseline per round: "
+                       + ", ".join(f"{r:.2f}" for r in side["time_ratios"]) + ")")
     if phases_only:
         result = {"machine": _machine(), "corpus": kind, "corpus_tokens": n_train, "phased": phased,
                   "sort_side_by_side": sort, "seconds": time.perf_counter() - started}
@@ -420,8 +489,8 @@ def _machine() -> dict:
 def phases_markdown(result: dict) -> str:
     lines = [f"Phases: {result['corpus_tokens'] / 1e6:.1f} M tokens ({result['corpus']}), one process, general + "
              "speaker stores; seconds (M tokens/s)", "",
-             "| shards | clock | read | partition | sort | catalog | verify | build end to end | peak RSS |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| shards | clock | read | partition | sort | catalog | verify | build end to end | peak RSS "
+             "| catalog rows (beside sort) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s, b in result["phased"].items():
         for clock, seconds, rate in (("wall", "phase_seconds", "phase_tokens_per_s"),
                                      ("CPU", "phase_cpu_seconds", "phase_tokens_per_cpu_s")):
@@ -431,7 +500,9 @@ def phases_markdown(result: dict) -> str:
                      for k in ("read", "partition", "sort", "catalog", "verify")]
             total = b["seconds"] if clock == "wall" else b["build_cpu_seconds"]
             lines.append(f"| {s} | {clock} | " + " | ".join(cells) + f" | {total:.1f} ({b['tokens'] / total / 1e6:.2f}) | "
-                         f"{b['process_peak_rss_mb']:.0f} MB ({b['process_peak_rss_mb'] * 2**20 / b['tokens']:.0f} B/token) |")
+                         f"{b['process_peak_rss_mb']:.0f} MB ({b['process_peak_rss_mb'] * 2**20 / b['tokens']:.0f} B/token) | "
+                         f"{b[seconds].get('rows', 0):.1f}"
+                         f"{'' if b['phases'].get('catalog_rows_apart') else ' (after)'} |")
     return "\n".join(lines) + "\n"
 
 
