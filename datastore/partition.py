@@ -76,14 +76,18 @@ class PartitionWriter:
                 record["wheres"].append(wheres[i])
         tokens, offsets = batch.tokens, batch.offsets
         speech = tokens >= 0
-        per_utterance = np.diff(np.concatenate([[0], np.cumsum(speech)])[offsets])
+        if speech.all():  # nearly every batch: no stop ids, and a cumulative sum over its tokens saved
+            per_utterance = np.diff(offsets)
+        else:
+            per_utterance = np.diff(np.concatenate([[0], np.cumsum(speech)])[offsets])
         kept = np.flatnonzero(per_utterance > 0)
         if len(kept) < len(ids):
             self.skipped += len(ids) - len(kept)
             self.first_skipped = self.first_skipped or wheres[int(np.argmax(per_utterance == 0))]
         seg_utt, seg_len, values = _segments(tokens, offsets, speech)
         seg_shard = shard_of[seg_utt]
-        token_shard = np.repeat(seg_shard, seg_len) if self.shards > 1 else None
+        # each token's shard as uint16 (shards <= 65536): the per-shard masks read 2 bytes a token, not 8
+        token_shard = np.repeat(seg_shard.astype(np.uint16), seg_len) if self.shards > 1 else None
         for s in range(self.shards):
             mine = seg_shard == s
             if mine.any():
@@ -140,12 +144,14 @@ class PartitionWriter:
         group_of_speaker = self.speaker_group
         seg_speaker = speaker_of[seg_utt]
         seg_group = group_of_speaker[seg_speaker]
-        token_group = np.repeat(seg_group, seg_len)
+        # as for shards: uint16 group numbers (groups == shards <= 65536), and no mask at all for one group
+        token_group = np.repeat(seg_group.astype(np.uint16), seg_len) if self.groups > 1 else None
         for g in range(self.groups):
             mine = seg_group == g
             if mine.any():
                 lengths = seg_len[mine]
-                self.group_parts[g].append((values[token_group == g], lengths, seg_speaker[mine]))
+                self.group_parts[g].append((values if token_group is None else values[token_group == g], lengths,
+                                            seg_speaker[mine]))
                 self.group_tokens[g] += int(lengths.sum())
 
     def _add_meta(self, batch: Batch, ids: list[str], wheres: list[str], kept: np.ndarray,
@@ -212,14 +218,20 @@ def _segments(tokens: np.ndarray, offsets: np.ndarray, speech: np.ndarray):
     keep = lengths > 0
     starts, lengths = starts[keep], lengths[keep]
     utterance = np.searchsorted(offsets, starts, side="right") - 1
-    return utterance, lengths, (tokens[speech] if len(stops) else tokens).astype(np.uint32)
+    values = tokens[speech] if len(stops) else tokens
+    return utterance, lengths, values.astype(_token_dtype(values))
+
+
+def _token_dtype(values: np.ndarray) -> np.dtype:
+    """The files' token type: uint16 while the ids fit below its top value (exact.stream_dtype's sentinel),
+    else uint32; chosen per batch, so that a chunk's arrays are narrowed once, not copied again when saved."""
+    return np.dtype(np.uint16) if values.max(initial=0) < np.iinfo(np.uint16).max else np.dtype(np.uint32)
 
 
 def _pack_segments(parts: list[tuple[np.ndarray, np.ndarray]]) -> dict:
     tokens = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.uint16)
     lengths = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
-    dtype = np.uint16 if tokens.max(initial=0) < np.iinfo(np.uint16).max else np.uint32
-    return {"tokens": tokens.astype(dtype), "lengths": lengths.astype(np.int64)}
+    return {"tokens": tokens.astype(_token_dtype(tokens), copy=False), "lengths": lengths.astype(np.int64, copy=False)}
 
 
 def pack_strings(key: str, strings: list[str]) -> dict:

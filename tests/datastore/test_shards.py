@@ -92,6 +92,33 @@ def test_sharded_store_is_one_store_split_by_utterance(tmp_path):
     assert len(db.execute("select * from shards").fetchall()) == 4
 
 
+def test_ids_past_uint16_in_one_file_widen_every_stream(tmp_path):
+    """The partition files narrow each batch's tokens to uint16 while its ids fit: a corpus whose second file
+    holds ids past 65,534 still gives every shard and speaker store its exact utterances, as uint32."""
+    rng = np.random.default_rng(3)
+    small = [rng.integers(0, 50, rng.integers(1, 20)).tolist() for _ in range(30)]
+    large = [rng.integers(60_000, 70_000, rng.integers(1, 20)).tolist() for _ in range(30)]
+    write_jsonl(tmp_path / "a.jsonl", small)
+    with open(tmp_path / "b.jsonl", "w") as f:
+        for i, tokens in enumerate(large):
+            f.write(json.dumps({"id": f"v{i}", "speaker": f"s{i % 3}", "tokens": tokens}) + "\n")
+    ds = build([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "store", shards=2, workers=1, faiss=False,
+               progress=False)
+    ids = [f"u{i}" for i in range(30)] + [f"v{i}" for i in range(30)]
+    for i, shard in enumerate(ds.shards):
+        assert shard.tokens.dtype == np.uint32
+        expected = [shard.sentinel]
+        for uid, tokens in zip(ids, small + large):
+            if stable_hash(uid) % 2 == i:
+                expected += tokens + [shard.sentinel]
+        assert np.asarray(shard.tokens).tolist() == expected
+    for name in ("s0", "s1", "s2"):
+        theirs = [t for i, t in enumerate(small + large) if f"s{i % 30 % 3}" == name]
+        store = ds.speaker_store(name)
+        assert store.tokens.dtype == np.uint32
+        assert sorted(np.asarray(store.tokens).tolist()) == sorted(sum(theirs, []) + [store.sentinel] * (len(theirs) + 1))
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(corpus=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=30), min_size=1, max_size=25),
        contexts=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=10), min_size=1, max_size=10),
