@@ -180,3 +180,13 @@ def test_latency_contexts_cover_utterances_in_order():
         contexts = latency_contexts(held, calls=calls)
         assert len(contexts) >= calls
         assert contexts == sorted(contexts) and all(1 <= pos < len(held[u]) for u, pos in contexts)
+
+
+def test_task_memory_is_fitted_only_over_tasks_of_two_sizes():
+    from echospec.tools.benchmarks.bench_shards import memory_fit
+
+    two_sizes = memory_fit([[10_000_000, 300 << 20], [40_000_000, 900 << 20], [10_000_000, 310 << 20]])
+    assert 20 < two_sizes["bytes_per_token"] < 22 and 100 < two_sizes["base_mb"] < 110
+    # four equal shards (--latency-shards 1,4): a line through one size is noise (it gave -5.4 GB + 501 B/token)
+    one_size = memory_fit([[12_400_000, 563 << 20], [12_500_000, 555 << 20], [12_420_000, 560 << 20]])
+    assert one_size["base_mb"] == 0 and 46 < one_size["bytes_per_token"] < 48

@@ -226,11 +226,14 @@ def oracle(retriever: Retriever, held: list[np.ndarray]) -> dict:
 
 def memory_fit(tasks: list[list[int]]) -> dict:
     """Peak resident set of a shard task against the tokens it sorts, fitted over tasks of two sizes run
-    in worker processes of their own (the S = 4 and 16 builds): bytes per token and the fixed part."""
+    in worker processes of their own (the S = 4 and 16 builds): bytes per token and the fixed part; with tasks
+    of one size only (--latency-shards 1,4), their peak per token with no fixed part."""
     tokens, peak = np.asarray(tasks, float).T
+    points = [[int(t), int(p)] for t, p in zip(tokens, peak)]
+    if tokens.max() < 1.5 * tokens.min():  # one size (a single S > 1): a line through them is noise, not a fit
+        return {"bytes_per_token": float(np.median(peak / tokens)), "base_mb": 0.0, "points": points}
     slope, intercept = np.polyfit(tokens, peak, 1)
-    return {"bytes_per_token": float(slope), "base_mb": float(intercept) / 2**20,
-            "points": [[int(t), int(p)] for t, p in zip(tokens, peak)]}
+    return {"bytes_per_token": float(slope), "base_mb": float(intercept) / 2**20, "points": points}
 
 
 def sort_alone_and_in_pairs(tokens: int) -> dict:
@@ -398,6 +401,9 @@ def projection(builds: dict, memory: dict, pairs: dict) -> dict:
 def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, use_ray, n_held, calls, rounds, seed,
          kind, phase_shards, phases_only, sort_baseline, sort_tokens, build_baseline, keep):
     """Build throughput against workers and proposals over shards; writes OUT/shards.json and OUT/shards.md."""
+    if not phases_only and all(int(x) <= 1 for x in latency_shards.split(",") if x):
+        raise click.BadParameter("needs a shard count above 1: a shard task's memory is fitted over those builds' "
+                                 "tasks", param_hint="--latency-shards")
     pin_threads(THREADS)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
