@@ -38,6 +38,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+from numba import njit
 
 from .catalog import sha256
 from .corpus import UniqueIds, Vocabulary, read_batches, split_layout_breaks
@@ -173,10 +174,17 @@ def _joined(arrays: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype)
 
 
+@njit(cache=True, nogil=True)
 def _gather(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The segments tokens[starts[k]:starts[k] + lengths[k]], one after another."""
-    before = np.cumsum(lengths) - lengths
-    return tokens[np.repeat(starts - before, lengths) + np.arange(int(lengths.sum()))]
+    """The segments tokens[starts[k]:starts[k] + lengths[k]], one after another: a copy per segment (a NumPy
+    gather built two int64 index arrays as long as the output, 3 s of a 200M-token speaker task's 19)."""
+    out = np.empty(lengths.sum(), tokens.dtype)
+    j = 0
+    for k in range(starts.shape[0]):
+        n = lengths[k]
+        out[j:j + n] = tokens[starts[k]:starts[k] + n]
+        j += n
+    return out
 
 
 def finished_store(directory: Path) -> dict | None:
