@@ -9,6 +9,7 @@ Ray is imported only here and only for `--ray`: it is the optional `ray` extra.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import logging
 import os
@@ -36,10 +37,12 @@ RETRIES = 2  # Ray re-runs a task whose worker died this many times before the b
 
 class LocalRunner:
     """Tasks in this process when one worker suffices, else in a pool of spawned processes (never forked:
-    a forked child of a threaded parent can deadlock), no more at once than memory holds."""
+    a forked child of a threaded parent can deadlock), no more at once than memory holds. The pool serves
+    both phases of a build and closes with the runner: a spawned worker takes ~0.6 s to import the build."""
 
     def __init__(self, workers: int):
         self.workers = max(1, int(workers))
+        self._pool: ProcessPoolExecutor | None = None
 
     def partition(self, jobs: list[Job]) -> Iterator[tuple[object, dict]]:
         return self.run(jobs)
@@ -53,21 +56,30 @@ class LocalRunner:
             for key, fn, kwargs, _ in jobs:
                 yield key, fn(**kwargs)
             return
-        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=die_with_parent, initargs=(os.getpid(),))
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=die_with_parent, initargs=(os.getpid(),))
+        waiting, pending, finished = iter(jobs), {}, False
         try:
-            pending = {pool.submit(fn, **kwargs): key for key, fn, kwargs, _ in jobs}
+            for key, fn, kwargs, _ in itertools.islice(waiting, workers):  # at most `workers` tasks at once
+                pending[self._pool.submit(fn, **kwargs)] = key
             while pending:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
                     yield pending.pop(future), future.result()
+                    for key, fn, kwargs, _ in itertools.islice(waiting, 1):
+                        pending[self._pool.submit(fn, **kwargs)] = key
+            finished = True
         except BrokenProcessPool:
             raise DatastoreError(DIED) from None
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            if not finished:  # a failed task, or the caller stopped: nothing more of this build runs
+                self.close()
 
     def close(self) -> None:
-        pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 def die_with_parent(parent: int) -> None:

@@ -20,6 +20,7 @@ import pytest
 from echospec.datastore import CorpusError, DamagedStoreError, DatastoreError, build, enroll, open_datastore
 from echospec.datastore.exact import MAX_TOKENS
 from echospec.datastore.pipeline import _check_shard_sizes
+from echospec.datastore.runners import LocalRunner
 from echospec.datastore.tasks import stable_hash
 from echospec.retriever import Retriever
 from hypothesis import HealthCheck, given, settings
@@ -116,7 +117,10 @@ def test_ids_past_uint16_in_one_file_widen_every_stream(tmp_path):
         theirs = [t for i, t in enumerate(small + large) if f"s{i % 30 % 3}" == name]
         store = ds.speaker_store(name)
         assert store.tokens.dtype == np.uint32
-        assert sorted(np.asarray(store.tokens).tolist()) == sorted(sum(theirs, []) + [store.sentinel] * (len(theirs) + 1))
+        expected = [store.sentinel]
+        for tokens in theirs:  # corpus order
+            expected += tokens + [store.sentinel]
+        assert np.asarray(store.tokens).tolist() == expected
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -368,6 +372,33 @@ class ShardKiller(threading.Thread):
                     self.killed = pid
                 return
             time.sleep(0.002)
+
+
+def children() -> set[int]:
+    """This process's child processes, from /proc."""
+    mine = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[1]) == os.getpid():
+            mine.add(int(stat.parent.name))
+    return mine
+
+
+def test_local_workers_serve_both_phases_and_end_with_the_runner():
+    """The partition tasks and the store tasks run in the same spawned workers (one start, ~0.6 s each)."""
+    runner = LocalRunner(2)
+    try:
+        first = {pid for _, pid in runner.partition([(i, os.getpid, {}, 1) for i in range(4)])}
+        after_first = children()  # the pool's workers (and multiprocessing's resource tracker)
+        second = {pid for _, pid in runner.run([(i, os.getpid, {}, 1) for i in range(4)])}
+        assert os.getpid() not in first | second
+        assert first | second <= after_first and children() == after_first  # no process started for the second
+    finally:
+        runner.close()
+    assert not children() & (first | second)
 
 
 def test_killed_local_shard_task_fails_cleanly_and_a_rerun_reuses_finished_shards(tmp_path):
