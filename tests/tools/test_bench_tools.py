@@ -190,3 +190,32 @@ def test_task_memory_is_fitted_only_over_tasks_of_two_sizes():
     # four equal shards (--latency-shards 1,4): a line through one size is noise (it gave -5.4 GB + 501 B/token)
     one_size = memory_fit([[12_400_000, 563 << 20], [12_500_000, 555 << 20], [12_420_000, 560 << 20]])
     assert one_size["base_mb"] == 0 and 46 < one_size["bytes_per_token"] < 48
+
+
+def test_continuation_choice_replays_the_gather(tmp_path):
+    """`block` is Retriever.propose's own tree (prompt lookup off); `spread` differs only where the cap binds."""
+    from echospec.datastore import build
+    from echospec.retriever import Retriever
+    from echospec.tools.benchmarks.bench_shards import oracle
+    from echospec.tools.benchmarks.continuation_choice import Chosen, propose
+
+    rng = np.random.default_rng(0)
+    motifs = [rng.integers(0, 12, 6).tolist() for _ in range(5)]
+    utterances = [sum((motifs[i] for i in rng.integers(0, 5, 8)), []) for _ in range(60)]
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for i, tokens in enumerate(utterances):
+            f.write(json.dumps({"id": f"u{i}", "tokens": tokens}) + "\n")
+    ds = build(tmp_path / "c.jsonl", tmp_path / "s", per_speaker=False, faiss=False, progress=False)
+    r = Retriever(ds, prompt_lookup=False, use_faiss=False, cap=4, min_support=2)
+    wide = Retriever(ds, prompt_lookup=False, use_faiss=False, cap=10_000, min_support=2)
+    differs = 0
+    for u in utterances[:10]:
+        for pos in range(1, len(u), 7):
+            ctx = np.asarray(u[:pos], np.int64)
+            block, spread = propose(r, ctx, "block"), propose(r, ctx, "spread")
+            assert block is not None and block.to_dict() == r.propose(ctx).to_dict()
+            differs += block.to_dict() != spread.to_dict()
+            assert propose(wide, ctx, "spread").to_dict() == wide.propose(ctx).to_dict()  # every occurrence read
+    assert differs > 0
+    held = [np.asarray(u, np.int64) for u in utterances[:5]]
+    assert oracle(Chosen(r, "block"), held) == oracle(r, held)

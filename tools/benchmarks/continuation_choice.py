@@ -1,0 +1,86 @@
+"""Which occurrences a proposal reads its continuations from, and what it costs in acceptance.
+
+A proposal whose matched suffix occurs more than `cap` times reads `cap` of them. Today (kernels.gather_store) it
+takes the block of the suffix array around the longer suffix: the occurrences whose further-left context is closest
+to this one's, from `cap` scattered places of the stream (so 3,000 proposals touch every stream page, docs/scaling.md).
+The alternative that would keep proposals off the stream, continuations stored beside the sampled index, gives
+occurrences spread evenly over the matched range instead. This measures both by oracle tokens per step on held-out
+utterances (the general store only: no prompt rows, one shard), with the gather replayed in Python from the kernels'
+own parts, so `block` must equal what `Retriever.propose` gives with the prompt lookup off.
+
+    python -m echospec.tools.benchmarks.continuation_choice --store bench/b200/store-phased-1 --held bench/b200/held.npz
+"""
+
+from __future__ import annotations
+
+import click
+import numpy as np
+
+from ...datastore import open_datastore
+from ...retriever import Retriever, kernels
+from ...retriever.tree import CandidateTree
+from .bench_shards import oracle
+
+CHOICES = ("block", "spread")
+
+
+def propose(r: Retriever, ctx: np.ndarray, choice: str) -> CandidateTree | None:
+    """The general store's tree for `ctx`, its `cap` rows chosen as `choice` says."""
+    store, s = r._general, r._settings
+    los, his, counts, d = kernels.match(store, ctx, s[kernels.SETTING_N_MIN], s[kernels.SETTING_N_MAX],
+                                        s[kernels.SETTING_MIN_SUPPORT])
+    if d < s[kernels.SETTING_N_MIN]:
+        return None
+    lo, hi, count = los[0, d], his[0, d], counts[d]
+    m = min(count, s[kernels.SETTING_CAP])
+    if choice == "block":  # as gather_store: centred where the longer suffix sits
+        start = min(max(lo, ((los[0, d + 1] + his[0, d + 1]) >> 1) - m // 2), hi - m)
+        entries = np.arange(start, start + m)
+    else:  # evenly over [lo, hi)
+        entries = lo + ((np.arange(m) + 0.5) * count / m).astype(np.int64)
+    stream, sa = kernels.shard_tokens(store, 0), kernels.shard_sa(store, 0)
+    conts = np.full((m, r.max_depth), -1, np.int64)
+    for row, entry in enumerate(entries):
+        kernels.copy_continuation(stream, sa[entry] + 1, s[kernels.SETTING_VOCAB_SIZE], conts, row)
+    kernels.sort_rows(conts, 0, m)
+    stats = np.zeros((kernels.N_SOURCES, 4), np.int64)
+    kernels.record(stats, kernels.GENERAL, 0, m, d, count)
+    stats[kernels.FAISS, kernels.FIRST_ROW] = m
+    return CandidateTree.trusted(kernels.finish(conts, stats, r.weights, r.max_nodes))
+
+
+class Chosen:
+    """A retriever whose general-store rows are chosen as `choice` says (for bench_shards.oracle)."""
+
+    def __init__(self, r: Retriever, choice: str):
+        self.r, self.choice = r, choice
+
+    def propose(self, context) -> CandidateTree:
+        return propose(self.r, np.asarray(context, np.int64), self.choice) or CandidateTree.empty()
+
+
+def held_out(path) -> list[np.ndarray]:
+    with np.load(path) as data:
+        tokens, lengths = data["tokens"].astype(np.int64), data["lengths"]
+    return np.split(tokens, np.cumsum(lengths)[:-1])
+
+
+@click.command()
+@click.option("--store", type=click.Path(exists=True, file_okay=False), required=True,
+              help="a one-shard datastore (bench_shards --keep: OUT/store-phased-1)")
+@click.option("--held", type=click.Path(exists=True, dir_okay=False), required=True,
+              help=".npz of held-out utterances (tokens, lengths)")
+def main(store, held):
+    """Oracle tokens per step: continuations from the block around the longer suffix against spread evenly."""
+    r = Retriever(open_datastore(store), prompt_lookup=False, use_faiss=False)
+    if len(r.datastore.shards) != 1:
+        raise click.BadParameter("needs a one-shard store", param_hint="--store")
+    utterances = held_out(held)
+    for choice in CHOICES:
+        result = oracle(Chosen(r, choice), utterances)
+        click.echo(f"{choice}: {result['tokens_per_step']:.4f} tokens/step "
+                   f"[{result['ci95'][0]:.3f}, {result['ci95'][1]:.3f}]")
+
+
+if __name__ == "__main__":
+    main()
