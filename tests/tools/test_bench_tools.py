@@ -193,7 +193,8 @@ def test_task_memory_is_fitted_only_over_tasks_of_two_sizes():
 
 
 def test_continuation_choice_replays_the_gather(tmp_path):
-    """`block` is Retriever.propose's own tree (prompt lookup off); `spread` differs only where the cap binds."""
+    """All `cap` rows near the longer suffix is Retriever.propose's own tree (prompt lookup off); spread rows differ
+    only where the cap binds."""
     from echospec.datastore import build
     from echospec.retriever import Retriever
     from echospec.tools.benchmarks.bench_shards import oracle
@@ -212,10 +213,10 @@ def test_continuation_choice_replays_the_gather(tmp_path):
     for u in utterances[:10]:
         for pos in range(1, len(u), 7):
             ctx = np.asarray(u[:pos], np.int64)
-            block, spread = propose(r, ctx, "block"), propose(r, ctx, "spread")
+            block, spread = propose(r, ctx, 4), propose(r, ctx, 0)
             assert block is not None and block.to_dict() == r.propose(ctx).to_dict()
             differs += block.to_dict() != spread.to_dict()
-            assert propose(wide, ctx, "spread").to_dict() == wide.propose(ctx).to_dict()  # every occurrence read
+            assert propose(wide, ctx, 0).to_dict() == wide.propose(ctx).to_dict()  # every occurrence read
     assert differs > 0
     held = [np.asarray(u, np.int64) for u in utterances[:5]]
-    assert oracle(Chosen(r, "block"), held) == oracle(r, held)
+    assert oracle(Chosen(r, 4), held) == oracle(r, held) != oracle(Chosen(r, 1), held)

@@ -3,10 +3,11 @@
 A proposal whose matched suffix occurs more than `cap` times reads `cap` of them. Today (kernels.gather_store) it
 takes the block of the suffix array around the longer suffix: the occurrences whose further-left context is closest
 to this one's, from `cap` scattered places of the stream (so 3,000 proposals touch every stream page, docs/scaling.md).
-The alternative that would keep proposals off the stream, continuations stored beside the sampled index, gives
-occurrences spread evenly over the matched range instead. This measures both by oracle tokens per step on held-out
-utterances (the general store only: no prompt rows, one shard), with the gather replayed in Python from the kernels'
-own parts, so `block` must equal what `Retriever.propose` gives with the prompt lookup off.
+Continuations stored beside the sampled index would keep proposals off the stream but give occurrences spread evenly
+over the matched range instead; a mix reads `near` occurrences around the longer suffix from the stream and the rest
+from the spread. This measures each mix by oracle tokens per step on held-out utterances (the general store only: no
+prompt rows, one shard), with the gather replayed in Python from the kernels' own parts, so `--near` at the cap (32)
+must equal what `Retriever.propose` gives with the prompt lookup off.
 
     python -m echospec.tools.benchmarks.continuation_choice --store bench/b200/store-phased-1 --held bench/b200/held.npz
 """
@@ -21,11 +22,9 @@ from ...retriever import Retriever, kernels
 from ...retriever.tree import CandidateTree
 from .bench_shards import oracle
 
-CHOICES = ("block", "spread")
-
-
-def propose(r: Retriever, ctx: np.ndarray, choice: str) -> CandidateTree | None:
-    """The general store's tree for `ctx`, its `cap` rows chosen as `choice` says."""
+def propose(r: Retriever, ctx: np.ndarray, near: int) -> CandidateTree | None:
+    """The general store's tree for `ctx`, its `cap` rows the `near` occurrences around the longer suffix (as
+    gather_store takes all of them) and the rest spread evenly over the matched range."""
     store, s = r._general, r._settings
     los, his, counts, d = kernels.match(store, ctx, s[kernels.SETTING_N_MIN], s[kernels.SETTING_N_MAX],
                                         s[kernels.SETTING_MIN_SUPPORT])
@@ -33,11 +32,10 @@ def propose(r: Retriever, ctx: np.ndarray, choice: str) -> CandidateTree | None:
         return None
     lo, hi, count = los[0, d], his[0, d], counts[d]
     m = min(count, s[kernels.SETTING_CAP])
-    if choice == "block":  # as gather_store: centred where the longer suffix sits
-        start = min(max(lo, ((los[0, d + 1] + his[0, d + 1]) >> 1) - m // 2), hi - m)
-        entries = np.arange(start, start + m)
-    else:  # evenly over [lo, hi)
-        entries = lo + ((np.arange(m) + 0.5) * count / m).astype(np.int64)
+    k = min(near, m)
+    start = min(max(lo, ((los[0, d + 1] + his[0, d + 1]) >> 1) - k // 2), hi - k)
+    spread = lo + ((np.arange(m - k) + 0.5) * count / max(m - k, 1)).astype(np.int64)
+    entries = np.concatenate([np.arange(start, start + k), spread])
     stream, sa = kernels.shard_tokens(store, 0), kernels.shard_sa(store, 0)
     conts = np.full((m, r.max_depth), -1, np.int64)
     for row, entry in enumerate(entries):
@@ -50,13 +48,14 @@ def propose(r: Retriever, ctx: np.ndarray, choice: str) -> CandidateTree | None:
 
 
 class Chosen:
-    """A retriever whose general-store rows are chosen as `choice` says (for bench_shards.oracle)."""
+    """A retriever whose general-store rows are chosen with `near` occurrences around the longer suffix (for
+    bench_shards.oracle)."""
 
-    def __init__(self, r: Retriever, choice: str):
-        self.r, self.choice = r, choice
+    def __init__(self, r: Retriever, near: int):
+        self.r, self.near = r, near
 
     def propose(self, context) -> CandidateTree:
-        return propose(self.r, np.asarray(context, np.int64), self.choice) or CandidateTree.empty()
+        return propose(self.r, np.asarray(context, np.int64), self.near) or CandidateTree.empty()
 
 
 def held_out(path) -> list[np.ndarray]:
@@ -70,15 +69,17 @@ def held_out(path) -> list[np.ndarray]:
               help="a one-shard datastore (bench_shards --keep: OUT/store-phased-1)")
 @click.option("--held", type=click.Path(exists=True, dir_okay=False), required=True,
               help=".npz of held-out utterances (tokens, lengths)")
-def main(store, held):
-    """Oracle tokens per step: continuations from the block around the longer suffix against spread evenly."""
+@click.option("--near", default="32,16,8,4,0", show_default=True,
+              help="occurrences read around the longer suffix, the rest of the cap spread evenly (cap: today's gather)")
+def main(store, held, near):
+    """Oracle tokens per step against how many of the cap continuations come from around the longer suffix."""
     r = Retriever(open_datastore(store), prompt_lookup=False, use_faiss=False)
     if len(r.datastore.shards) != 1:
         raise click.BadParameter("needs a one-shard store", param_hint="--store")
     utterances = held_out(held)
-    for choice in CHOICES:
-        result = oracle(Chosen(r, choice), utterances)
-        click.echo(f"{choice}: {result['tokens_per_step']:.4f} tokens/step "
+    for k in (int(x) for x in near.split(",")):
+        result = oracle(Chosen(r, k), utterances)
+        click.echo(f"{k} near, {max(r.cap - k, 0)} spread: {result['tokens_per_step']:.4f} tokens/step "
                    f"[{result['ci95'][0]:.3f}, {result['ci95'][1]:.3f}]")
 
 
