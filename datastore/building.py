@@ -111,7 +111,7 @@ def _stores_beside_rows(tmp: Path, meta: dict, work: Path, parts, codebooks, sha
     except BaseException:
         rows.kill()
         raise
-    return outcome, rows.result()
+    return outcome, rows.result(progress)
 
 
 def _assemble(tmp: Path, work: Path, outcome, speaker_utterances: Counter, faiss, embeddings, faiss_options,

@@ -10,7 +10,8 @@ driver after the stores: the process takes ~1.5 s to start, about what 250k rows
     python -m echospec.datastore.rows REQUEST.json    # prints {"per_speaker": [[name, n], ...], "seconds": ...}
 
 The build's phases (`info()["build_phases"]`) keep the rows' seconds, and catalog_rows_apart = 1 when they
-were written apart.
+were written apart. The process writes how many rows it has inserted to catalog-rows.progress after each partition
+file, for the build's progress bar once the stores are done and the rows are not (minutes at billions of tokens).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from . import catalog
 from .building import INSERT_UTTERANCE
@@ -38,7 +41,7 @@ class RowsProcess:
     """`catalog.create(root, meta)` and every utterance's row, in a child process; `result` waits for it."""
 
     def __init__(self, root: Path, meta: dict, work: Path, units: list[dict]):
-        self.work = work
+        self.work, self.rows = work, sum(u["utterances"] for u in units)
         request = work / "catalog-rows.json"
         request.write_text(json.dumps({"root": str(root), "meta": meta, "work": str(work), "units": units,
                                        "parent": os.getpid()}))
@@ -48,23 +51,40 @@ class RowsProcess:
             self.process = subprocess.Popen([sys.executable, "-m", __name__, str(request)], stdout=out, stderr=err,
                                             env=env)
 
-    def result(self) -> tuple[Counter, dict]:
-        """Utterances per speaker, and the process's wall and CPU seconds."""
-        if self.process.wait() != 0:
+    def result(self, progress: bool = False) -> tuple[Counter, dict]:
+        """Utterances per speaker, and the process's wall and CPU seconds; waits with a bar when `progress`."""
+        with tqdm(total=self.rows, initial=self._written(0), desc="writing catalog rows", unit=" rows",
+                  unit_scale=True, leave=False, disable=not progress) as bar:
+            while True:
+                try:
+                    returncode = self.process.wait(timeout=0.25)
+                    break
+                except subprocess.TimeoutExpired:
+                    bar.update(self._written(bar.n) - bar.n)
+            bar.update(self._written(bar.n) - bar.n)
+            bar.refresh()
+        if returncode != 0:
             lines = (self.work / "catalog-rows.err").read_text(errors="replace").strip().splitlines()
             raise DatastoreError(f"writing the catalog's utterance rows failed: {lines[-1] if lines else 'killed'}")
         done = json.loads((self.work / "catalog-rows.out").read_text())
         return Counter({name: n for name, n in done["per_speaker"]}), done["seconds"]
+
+    def _written(self, known: int) -> int:
+        try:
+            return int((self.work / "catalog-rows.progress").read_text())
+        except (OSError, ValueError):  # not written yet, or caught mid-write
+            return known
 
     def kill(self) -> None:
         self.process.kill()
         self.process.wait()
 
 
-def insert_partition_rows(db, work: Path, units: list[dict]) -> Counter:
+def insert_partition_rows(db, work: Path, units: list[dict], written: Callable[[int], None] | None = None) -> Counter:
     """The utterances' catalog rows, in corpus order, from the partition tasks' meta files, a file's rows
-    at once in one transaction; returns utterances per speaker."""
+    at once in one transaction (`written(rows so far)` after each file); returns utterances per speaker."""
     per_speaker: Counter = Counter()
+    rows = 0
     with db.atomic():
         for unit in units:
             directory = work / "parts" / f"unit-{unit['unit']:06d}"
@@ -77,15 +97,19 @@ def insert_partition_rows(db, work: Path, units: list[dict]) -> Counter:
                 per_speaker.update(speakers)
                 db.conn.executemany(INSERT_UTTERANCE, zip(ids, speakers, tokens, sources,
                                                           [e or None for e in extras]))
+                rows += len(ids)
+                if written:
+                    written(rows)
     return per_speaker
 
 
-def write_catalog(root: Path, meta: dict, work: Path, units: list[dict]) -> tuple[Counter, dict]:
+def write_catalog(root: Path, meta: dict, work: Path, units: list[dict],
+                  written: Callable[[int], None] | None = None) -> tuple[Counter, dict]:
     """catalog.create in `root` with every utterance's row; returns utterances per speaker and the seconds."""
     started, cpu = time.perf_counter(), time.process_time()
     db = catalog.create(root, meta)
     try:
-        per_speaker = insert_partition_rows(db, work, units)
+        per_speaker = insert_partition_rows(db, work, units, written)
         catalog.index_utterances(db)
     finally:
         db.conn.close()
@@ -96,7 +120,10 @@ def write_catalog(root: Path, meta: dict, work: Path, units: list[dict]) -> tupl
 def main(request: str) -> None:
     asked = json.loads(Path(request).read_text())
     die_with_parent(asked["parent"])
-    per_speaker, seconds = write_catalog(Path(asked["root"]), asked["meta"], Path(asked["work"]), asked["units"])
+    work = Path(asked["work"])
+    progress = work / "catalog-rows.progress"
+    per_speaker, seconds = write_catalog(Path(asked["root"]), asked["meta"], work, asked["units"],
+                                         lambda rows: progress.write_text(str(rows)))
     json.dump({"per_speaker": list(per_speaker.items()), "seconds": {**seconds, "catalog_rows_apart": 1}},
               sys.stdout)
 

@@ -137,13 +137,17 @@ def catalog_rows(store):
     return rows
 
 
-def test_rows_written_beside_the_stores_equal_the_drivers(tmp_path, monkeypatch):
+def test_rows_written_beside_the_stores_equal_the_drivers(tmp_path, monkeypatch, capsys):
     """A build of ROWS_APART utterances or more writes its catalog in a process of its own while the stores
-    build (rows.py): the very catalog rows the driver writes after them for a smaller build."""
+    build (rows.py): the very catalog rows the driver writes after them for a smaller build, and a build with
+    progress shows how many are written while it waits for them."""
     corpus = make_corpus(tmp_path / "c.jsonl", n_utts=300)
     build(corpus, tmp_path / "driver", faiss=False, progress=False)
     monkeypatch.setattr("echospec.datastore.rows.ROWS_APART", 0)
-    build(corpus, tmp_path / "apart", faiss=False, progress=False)
+    capsys.readouterr()
+    build(corpus, tmp_path / "apart", faiss=False, progress=True)
+    err = capsys.readouterr().err
+    assert "writing catalog rows" in err and "300/300" in err
     assert catalog_rows(tmp_path / "apart") == catalog_rows(tmp_path / "driver")
     assert len(catalog_rows(tmp_path / "apart")[0]) == 300
     phases = [open_datastore(tmp_path / name).info()["build_phases"] for name in ("driver", "apart")]
