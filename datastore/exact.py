@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -392,19 +393,20 @@ def save_npy(path: Path, arr: np.ndarray) -> None:
 
 
 class ExactStore:
-    """A memory-mapped exact store. Opening maps its files: the cost does not grow with the corpus.
+    """A memory-mapped exact store. Opening maps its files: the cost does not grow with the corpus, except
+    with `access="stream"`, which reads the stream into memory.
 
-    `random_access` advises the stream and the suffix array MADV_RANDOM: a look-up reads a few scattered
-    pages, and the kernel's read-around (8 MB a fault on a disk set up as this one is) would read and map
-    whole stretches of the store on every miss, so a replica without RAM for the store would read it all from
-    disk (3,000 cold proposals on a 20M-token store mapped 100% of it with the default advice, 60% with this
-    one). A store that fits in RAM is better left to the read-around: it is read in a few large reads and then
-    served warm (Datastore chooses, see store.random_access)."""
+    `access` (see store.choose_access): "random" advises the stream and the suffix array MADV_RANDOM, so a
+    look-up's misses read the few scattered pages it touches rather than the kernel's read-around of each (8
+    MB a fault on a disk set up as this one is), which would read and map whole stretches of a store that
+    does not fit in RAM (3,000 cold proposals on a 20M-token store mapped 100% of it with the default advice,
+    46% with this one and the index); "stream" reads the stream in and advises only the suffix array random;
+    "readahead" leaves both to the read-around, for a store that fits."""
 
     __slots__ = ("directory", "first", "index", "index_depth", "index_step", "sa", "sentinel", "tokens",
                  "vocab_size")
 
-    def __init__(self, directory: str | Path, vocab_size: int, random_access: bool = True):
+    def __init__(self, directory: str | Path, vocab_size: int, access: str = "random"):
         self.directory = Path(directory)
         # plain ndarray views of the maps: numba dispatches them ~3 us faster than np.memmap
         self.tokens, self.sa, self.first = (load_npy(self.directory / name, mmap=True) for name in FILES[:3])
@@ -415,9 +417,12 @@ class ExactStore:
                 raise DamagedStoreError(f"{self.directory}: exact store is damaged (index.npy does not fit its "
                                         f"suffix array); run `echospec info --verify`")
             self.index, self.index_step, self.index_depth = found
-        if random_access:
-            for arr in (self.tokens, self.sa):
-                _advise_random(arr)
+        if access in ("random", "stream"):
+            _advise(self.sa, "MADV_RANDOM")
+        if access == "random":
+            _advise(self.tokens, "MADV_RANDOM")
+        elif access == "stream":
+            _read_in(self.tokens)
         if self.first.shape not in ((vocab_size + 1,), (0,)) or self.tokens.dtype != stream_dtype(vocab_size):
             raise DatastoreError(f"{self.directory}: exact store does not match the catalog's vocabulary")
         # What a header can get wrong that the kernels cannot survive (their entries they check per read).
@@ -440,8 +445,26 @@ class ExactStore:
         return segments
 
 
-def _advise_random(arr: np.ndarray) -> None:
-    """madvise(MADV_RANDOM) on the memory map under `arr`, where the platform has it."""
+MADV_POPULATE_READ = 22 if sys.platform.startswith("linux") else None
+"""Linux's (5.14+) advice that reads a map's pages in and maps them, before returning; Python's mmap module
+does not name it."""
+
+
+def _advise(arr: np.ndarray, advice: str) -> bool:
+    """madvise(mmap.<advice>) on the memory map under `arr`; False where the platform or kernel lacks it."""
     mapped = getattr(arr.base, "_mmap", None)
-    if mapped is not None and hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-        mapped.madvise(mmap.MADV_RANDOM)
+    option = MADV_POPULATE_READ if advice == "MADV_POPULATE_READ" else getattr(mmap, advice, None)
+    if mapped is None or not hasattr(mapped, "madvise") or option is None or not len(arr):
+        return False
+    try:
+        mapped.madvise(option)
+    except OSError:  # EINVAL: a kernel before 5.14 has no MADV_POPULATE_READ
+        return False
+    return True
+
+
+def _read_in(arr: np.ndarray) -> None:
+    """Read the file under `arr`'s map into memory and map it: at once where the kernel can, else in the
+    background (MADV_WILLNEED)."""
+    if not _advise(arr, "MADV_POPULATE_READ"):
+        _advise(arr, "MADV_WILLNEED")

@@ -33,32 +33,40 @@ tokens/step, and each extra key word (4 tokens of a 4,096-id vocabulary) costs t
 sort of the suffixes still tied after the words before it (a quarter of them after 4 tokens of speech)."""
 
 
-ACCESS = ("auto", "random", "readahead")
+ACCESS = ("auto", "random", "stream", "readahead")
 
 
 def open_datastore(store_dir, verify: bool = False, access: str = "auto") -> Datastore:
     """Open a datastore: read and check the catalog (format version, the rows a reader follows) and
     every file's size, and memory-map the general store; speaker stores map on first use. `verify`
     adds SQLite's integrity check, every file's sha256 and the catalog's own consistency (catalog.read).
-    `access`: how a page cache miss reads the stores, see random_access."""
+    `access`: how the stores read from disk, see choose_access."""
     return Datastore(Path(store_dir), verify, access)
 
 
-def random_access(access: str, store_bytes: int, available: int | None) -> bool:
-    """Whether the stores' streams and suffix arrays are advised MADV_RANDOM (a miss reads 4 kB) rather than
-    left to the kernel's read-around (a miss reads a stretch around it, 8 MB on this project's VMs).
+def choose_access(access: str, stream_bytes: int, sa_bytes: int, available: int | None) -> str:
+    """How the stores' maps read from disk: "readahead", "stream" or "random" ("auto" chooses).
 
-    "random" or "readahead" say so; "auto" chooses random when the general store's stream and suffix array
-    (`store_bytes`) take more than half of the memory `available` (MemAvailable when opened; random where it
-    is unknown). A store that fits is read in a few large reads and is then served warm: 3,000 proposals on
-    a 199M-token store in 16 shards, from a cold page cache, p99 0.8 ms with the read-around against 17 ms
-    with random advice (warm 0.18 ms either way; docs/scaling.md). One that does not fit would be read whole
-    from disk by read-arounds and evicted again; random advice maps half of it for as many proposals."""
+    "readahead" leaves both to the kernel's read-around: a miss reads a stretch around it (8 MB on this
+    project's VMs), so a store that fits is read in a few large reads and is then served warm. "random"
+    advises stream and suffix array MADV_RANDOM: a miss reads 4 kB, so a store that does not fit is not read
+    whole and evicted again. "stream" reads the stream (a third of the store) into memory when a store is
+    opened and advises the suffix array random: a proposal's binary searches and its continuations read the
+    stream at scattered places (from a cold cache on a 20M-token store, 18 and 15 of a proposal's 34 misses;
+    the suffix array 1 with the sampled index), so a replica with RAM for the stream but not for the store
+    takes 1.1 misses a proposal instead of 4.4 over 3,000 cold proposals, 16 instead of 49 at 200M tokens in
+    16 shards (docs/scaling.md). Opening then reads the stream whole (as long as the disk takes to read it), so it is for
+    serving (`echospec serve --access stream`), and "auto" never picks it: a one-off query would read it all.
+
+    "auto" chooses "random" when the general store's stream and suffix array (`stream_bytes`, `sa_bytes`)
+    take more than half of the memory `available` (MemAvailable when opened; random where it is unknown).
+    Answers never depend on the choice."""
     if access not in ACCESS:
         raise ValueError(f"access must be one of {ACCESS}, got {access!r}")
     if access != "auto":
-        return access == "random"
-    return available is None or store_bytes > available // 2
+        return access
+    fits = available is not None and stream_bytes + sa_bytes <= available // 2
+    return "readahead" if fits else "random"
 
 
 class Datastore:
@@ -81,11 +89,12 @@ class Datastore:
         self._speaker_dirs = {name: root / self._stores[row["store"]]["directory"]
                               for name, row in self._speakers.items()}
         directories = [row["directory"] for row in self._shards] or [self._stores["general"]["directory"]]
-        mapped = {f"{d}/{name}" for d in directories for name in ("tokens.npy", "sa.npy")}
-        store_bytes = sum(row["bytes"] for row in self._files if row["path"] in mapped)  # sizes checked by catalog.read
-        self.random_access = random_access(access, store_bytes, proc_bytes("/proc/meminfo", "MemAvailable"))
-        """Whether the stores are advised MADV_RANDOM (see random_access)."""
-        self.shards = tuple(ExactStore(root / d, self.vocab_size, self.random_access) for d in directories)
+        sizes = {row["path"]: row["bytes"] for row in self._files}  # checked against the files by catalog.read
+        stream_bytes, sa_bytes = (sum(sizes.get(f"{d}/{name}", 0) for d in directories)
+                                  for name in ("tokens.npy", "sa.npy"))
+        self.access = choose_access(access, stream_bytes, sa_bytes, proc_bytes("/proc/meminfo", "MemAvailable"))
+        """How the stores read from disk: "readahead", "stream" or "random" (see choose_access)."""
+        self.shards = tuple(ExactStore(root / d, self.vocab_size, self.access) for d in directories)
         """The general store: its shards, each an exact store (most datastores have one)."""
         self._speaker_stores: dict[str, ExactStore] = {}
         self._faiss = None
@@ -114,14 +123,14 @@ class Datastore:
         """Map on first use; if an enrollment replaced the store since this datastore was opened
         (its old directory is gone), map the one the catalog names now."""
         try:
-            return ExactStore(self._speaker_dirs[speaker], self.vocab_size, self.random_access)
+            return ExactStore(self._speaker_dirs[speaker], self.vocab_size, self.access)
         except DatastoreError:
             with catalog.opened(self.root) as db:
                 row = db.execute("SELECT s.directory FROM speakers p JOIN stores s ON s.name = p.store "
                                  "WHERE p.name = ?", [speaker]).fetchone()
             if row is None or not catalog.inside(row[0]):
                 raise
-            return ExactStore(self.root / row[0], self.vocab_size, self.random_access)
+            return ExactStore(self.root / row[0], self.vocab_size, self.access)
 
     def faiss_store(self):
         """The FAISS store, or None when the datastore was built without one."""

@@ -82,6 +82,19 @@ def vm_flags(path: Path, pid: int | str = "self") -> list[set[str]]:
     return flags
 
 
+def resident_bytes(path: Path, pid: int | str = "self") -> int:
+    """Bytes of `path` that process `pid` has mapped and resident (the Rss of its mappings of it in smaps)."""
+    total, current = 0, None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:
+                current = len(parts) >= 6 and parts[5] == str(path)
+            elif current and line.startswith("Rss:"):
+                total += int(parts[1]) * 1024
+    return total
+
+
 class Server:
     """`echospec serve STORE --port N ARGS` as a subprocess, or with `options` the library's `serve(...)`
     (see SERVE); `url` once `/healthz` answers."""

@@ -429,7 +429,7 @@ def serve(stores: Sequence[str], host: str = "127.0.0.1", port: int = 8750, api_
           log_level: str = "warning", docs: bool = False, strict: bool = False, access: str = "auto") -> None:
     """Open `stores` (`PATH` or `NAME=PATH`) and serve them until interrupted; `docs` also serves the API's
     description (/docs, /redoc, /openapi.json); `strict` refuses to start when a store is damaged; `access`
-    says how the stores read from disk (open_datastore's: "auto", "random" or "readahead")."""
+    says how the stores read from disk (open_datastore's: "auto", "random", "stream" or "readahead")."""
     import uvicorn
 
     named = dict(parse_store_arg(s) for s in stores)

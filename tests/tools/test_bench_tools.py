@@ -1,6 +1,7 @@
 """The benchmark's own tools: the synthetic speech-like corpus and the plain REST reference."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,3 +221,20 @@ def test_continuation_choice_replays_the_gather(tmp_path):
     assert differs > 0
     held = [np.asarray(u, np.int64) for u in utterances[:5]]
     assert oracle(Chosen(r, 4), held) == oracle(r, held) != oracle(Chosen(r, 1), held)
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the mapped pages from Linux's smaps")
+def test_bench_pages_reports_each_access_and_refuses_an_unknown_one(tmp_path):
+    """Read from a cold cache, the stream maps whole only where access="stream" reads it in."""
+    from echospec.tools.benchmarks.bench_pages import main as bench_pages
+
+    out = tmp_path / "pages"
+    args = ["--tokens", "2000000", "--proposals", "10", "--rounds", "1", "--out", str(out)]
+    done = CliRunner().invoke(bench_pages, [*args, "--variants", "index,index-stream"])
+    assert done.exit_code == 0, done.output
+    summary = json.loads((out / "pages.json").read_text())["summary"]
+    assert set(summary) == {"index", "index-stream"} and "| index-stream |" in done.output
+    assert summary["index-stream"]["mapped_share_by_file"]["tokens.npy"] > 0.99
+    assert summary["index"]["mapped_share_by_file"]["tokens.npy"] < 0.99  # 10 proposals touch a few of its 977 pages
+    refused = CliRunner().invoke(bench_pages, [*args, "--variants", "index,sequential"])
+    assert refused.exit_code == 2 and "choose among" in refused.output

@@ -9,11 +9,14 @@ the same again warm. Variants, alternated over `--rounds` rounds:
   random           no sampled index, the maps advised MADV_RANDOM
   index            the sampled index and MADV_RANDOM (open_datastore(access="random"): what a store does where
                    it does not fit in half the available memory)
+  index-stream     the sampled index, the stream read into memory when the store opens and the suffix array
+                   advised MADV_RANDOM (access="stream": a replica with RAM for the stream, not the store)
   index-readahead  the sampled index and the read-around (access="readahead": what a store that fits does)
 
 Reported per variant (median over rounds): the share of the store's pages the process maps after the cold
 proposals (its file-backed resident set, from /proc/self/smaps, against the files' sizes) per file, major page
-faults per proposal (getrusage), and p50/p99 of the cold and the warm proposals in microseconds.
+faults per proposal (getrusage), p50/p99 of the cold and the warm proposals in microseconds, and the seconds
+opening the store took (reading the stream in, for index-stream).
 
     python -m echospec.tools.benchmarks.bench_pages --tokens 20000000 --out bench/pages
 """
@@ -34,7 +37,7 @@ import numpy as np
 
 from ...datastore.files import atomic_file
 
-VARIANTS = ("before", "random", "index", "index-readahead")
+VARIANTS = ("before", "random", "index", "index-stream", "index-readahead")
 _RANGE = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
 
 
@@ -101,8 +104,10 @@ def run_variant(store: str, held: str, variant: str, n: int) -> dict:
     files = sorted(general.rglob("*.npy"))
     ctxs = contexts(Path(held), n)
     drop_cache(files)
-    access = "readahead" if variant in ("before", "index-readahead") else "random"
+    access = {"before": "readahead", "index-readahead": "readahead", "index-stream": "stream"}.get(variant, "random")
+    opened = time.perf_counter()
     r = Retriever(open_datastore(store, access=access), use_faiss=False)
+    opened = time.perf_counter() - opened
     if not variant.startswith("index"):
         r._general[0][:, kernels.SHARD_INDEX_ROWS] = 0  # the kernels then search without the index
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
@@ -111,7 +116,8 @@ def run_variant(store: str, held: str, variant: str, n: int) -> dict:
     mapped = mapped_kb(str(general.resolve()))
     warm = _timed(r, ctxs)
     sizes = {str(p.resolve()): p.stat().st_size for p in files}
-    return {"variant": variant, "proposals": len(ctxs), "major_faults_per_proposal": faults / len(ctxs),
+    return {"variant": variant, "proposals": len(ctxs), "open_s": opened,
+            "major_faults_per_proposal": faults / len(ctxs),
             "mapped_share": sum(mapped.values()) * 1024 / sum(sizes.values()),
             "mapped_share_by_file": {Path(k).name: mapped.get(k, 0) * 1024 / v for k, v in sizes.items()},
             "cold_p50_us": float(np.percentile(cold, 50)), "cold_p99_us": float(np.percentile(cold, 99)),
@@ -145,18 +151,23 @@ def in_child(store: Path, held: Path, variant: str, n: int) -> dict:
 @click.option("--proposals", type=click.IntRange(min=10), default=3000, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--variants", default=",".join(VARIANTS), show_default=True, help="which to run, comma-separated")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True)
-def main(n_tokens, store, held, proposals, rounds, seed, out):
+def main(n_tokens, store, held, proposals, rounds, seed, variants, out):
     """Cold-cache proposals: pages mapped, major faults, latency; the variants side by side."""
     out.mkdir(parents=True, exist_ok=True)
     if store is None:
         store, held = make_store(n_tokens, out, 300, seed)
-    runs = {v: [] for v in VARIANTS}
+    chosen = [v.strip() for v in variants.split(",") if v.strip()]
+    if not chosen or set(chosen) - set(VARIANTS):
+        raise click.BadParameter(f"choose among {', '.join(VARIANTS)}", param_hint="--variants")
+    runs = {v: [] for v in chosen}
     for _ in range(rounds):
-        for variant in VARIANTS:
+        for variant in chosen:
             runs[variant].append(in_child(store, held, variant, proposals))
             click.echo(json.dumps(runs[variant][-1]), err=True)
-    keys = ("mapped_share", "major_faults_per_proposal", "cold_p50_us", "cold_p99_us", "warm_p50_us", "warm_p99_us")
+    keys = ("open_s", "mapped_share", "major_faults_per_proposal", "cold_p50_us", "cold_p99_us", "warm_p50_us",
+            "warm_p99_us")
     summary = {v: {k: float(np.median([r[k] for r in rs])) for k in keys} | {
         "mapped_share_by_file": {f: float(np.median([r["mapped_share_by_file"][f] for r in rs]))
                                  for f in rs[0]["mapped_share_by_file"]}} for v, rs in runs.items()}
@@ -164,12 +175,13 @@ def main(n_tokens, store, held, proposals, rounds, seed, out):
               "summary": summary, "runs": runs}
     with atomic_file(out / "pages.json") as f:
         json.dump(result, f, indent=2)
-    lines = ["| variant | pages mapped | by file | major faults / proposal | cold p50 / p99 µs | warm p50 / p99 µs |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| variant | open s | pages mapped | by file | major faults / proposal | cold p50 / p99 µs | "
+             "warm p50 / p99 µs |", "|---|---|---|---|---|---|---|"]
     for v, s in summary.items():
         files = ", ".join(f"{name} {share:.0%}" for name, share in sorted(s["mapped_share_by_file"].items()))
-        lines.append(f"| {v} | {s['mapped_share']:.1%} | {files} | {s['major_faults_per_proposal']:.2f} | "
-                     f"{s['cold_p50_us']:.0f} / {s['cold_p99_us']:.0f} | {s['warm_p50_us']:.0f} / {s['warm_p99_us']:.0f} |")
+        lines.append(f"| {v} | {s['open_s']:.2f} | {s['mapped_share']:.1%} | {files} | "
+                     f"{s['major_faults_per_proposal']:.2f} | {s['cold_p50_us']:.0f} / {s['cold_p99_us']:.0f} | "
+                     f"{s['warm_p50_us']:.0f} / {s['warm_p99_us']:.0f} |")
     click.echo("\n".join(lines))
 
 

@@ -2,8 +2,9 @@
 
 A proposal whose matched suffix occurs more than `cap` times reads `cap` of them. Today (kernels.gather_store) it
 takes the block of the suffix array around the longer suffix: the occurrences whose further-left context is closest
-to this one's, from `cap` scattered places of the stream (so 3,000 proposals touch every stream page, docs/scaling.md).
-Continuations stored beside the sampled index would keep proposals off the stream but give occurrences spread evenly
+to this one's, from `cap` scattered places of the stream (about half of a cold proposal's stream misses; its binary
+searches make the rest, docs/scaling.md). Continuations stored beside the sampled index would spare those reads but
+give occurrences spread evenly
 over the matched range instead; a mix reads `near` occurrences around the longer suffix from the stream and the rest
 from the spread. This measures each mix by oracle tokens per step on held-out utterances (the general store only: no
 prompt rows, one shard), with the gather replayed in Python from the kernels' own parts, so `--near` at the cap (32)

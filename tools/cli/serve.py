@@ -40,10 +40,12 @@ from ..commands import fail_cleanly, needs_extra
               help="Seconds a request may take to arrive whole.")
 @click.option("--strict", is_flag=True, help="Refuse to start when a store is damaged (without it, the others are "
               "served and requests for it answered 503).")
-@click.option("--access", type=click.Choice(["auto", "random", "readahead"]), default="auto", show_default=True,
+@click.option("--access", type=click.Choice(["auto", "random", "stream", "readahead"]), default="auto",
+              show_default=True,
               help="How stores read from disk on a page-cache miss: readahead (large reads, for a store that fits in "
-              "memory), random (4 kB, for one that does not), auto (random when the store takes over half the "
-              "available memory).")
+              "memory), random (4 kB, for one that does not), stream (the token stream read into memory at start, the "
+              "suffix array random: for a replica with RAM for a third of the store), auto (random when the store "
+              "takes over half the available memory, else readahead).")
 @needs_extra("service")
 @fail_cleanly
 def serve(stores, host, port, api_key_file, max_body_mb, max_batch, max_nodes, max_depth, weights, reload_interval,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from service_testing import API_KEY, VOCAB, Server, copy_store, make_store, post_json, request, vm_flags
+from service_testing import API_KEY, VOCAB, Server, copy_store, make_store, post_json, request, resident_bytes, vm_flags
 
 from echospec.retriever import Retriever
 from echospec.retriever.remote import RemoteRetriever, RetrieverUnavailable
@@ -645,8 +645,11 @@ def test_serve_refuses_bad_arguments_clearly(args, message):
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the advice back from Linux's smaps")
 def test_serve_access_says_how_the_stores_read_from_disk(tmp_path):
     store, _ = make_store(tmp_path, n_tokens=5_000, n_speakers=1)
-    tokens = (store / "general" / "tokens.npy").resolve()
-    for access, advised in (("random", True), ("readahead", False)):
+    tokens, sa = ((store / "general" / name).resolve() for name in ("tokens.npy", "sa.npy"))
+    for access, advised in (("random", (True, True)), ("stream", (False, True)), ("readahead", (False, False))):
         with Server(store, args=("--access", access)) as server:
-            flags = vm_flags(tokens, server.process.pid)
-            assert flags and all(("rr" in f) == advised for f in flags), (access, flags)
+            for path, random_advice in zip((tokens, sa), advised):
+                flags = vm_flags(path, server.process.pid)
+                assert flags and all(("rr" in f) == random_advice for f in flags), (access, path.name, flags)
+            if access == "stream":
+                assert resident_bytes(tokens, server.process.pid) >= tokens.stat().st_size - 4096
