@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 
+from ..datastore.store import ACCESS, open_datastore
 from .drafts import DRAFT_WEIGHTS, TOKEN_COST, ChainDrafter
 
 log = logging.getLogger("echospec.vllm")
@@ -39,6 +40,8 @@ OPTIONS = {
     "step_timeout": "seconds one step may spend drafting; rows not served by then get none (default 0.05)",
     "speech_offset": "model id of the store's speech id 0 (default: the store's own, from its catalog)",
     "max_nodes": "the retriever's node budget per tree (default: the store's)",
+    "access": 'how the store reads from disk (with store): "auto" (default), "random", "stream" or "readahead", as '
+              "`echospec serve --access`",
     "weights": f"[prompt, speaker, general, faiss] source weights (with store; default {list(DRAFT_WEIGHTS)}; a "
                "service applies those of `echospec serve --weights`)",
 }
@@ -131,6 +134,10 @@ def read_options(additional_config) -> dict:
         raise ValueError('echospec options need "store", or "url" with "store_name"')
     if "weights" in options and "url" in options:
         raise ValueError('"weights" applies to an in-process store; a service uses `echospec serve --weights`')
+    if "access" in options and "url" in options:
+        raise ValueError('"access" applies to an in-process store; a service uses `echospec serve --access`')
+    if options.get("access", "auto") not in ACCESS:
+        raise ValueError(f'"access" must be one of {", ".join(ACCESS)}, got {options["access"]!r}')
     return options
 
 
@@ -141,7 +148,8 @@ def make_drafter(options: dict, k: int) -> ChainDrafter:
         retriever = RemoteRetriever(options["url"], options["store_name"], timeout=float(options.get("timeout", 0.05)))
     else:
         from .retriever import Retriever
-        retriever = Retriever(options["store"], weights=tuple(options.get("weights", DRAFT_WEIGHTS)))
+        store = open_datastore(options["store"], access=options.get("access", "auto"))
+        retriever = Retriever(store, weights=tuple(options.get("weights", DRAFT_WEIGHTS)))
     settings = {key: options[key] for key in ("speaker", "speaker_tokens", "min_speech", "token_cost",
                                                "step_timeout", "speech_offset", "max_nodes") if key in options}
     return ChainDrafter(retriever, k=k, **settings)

@@ -233,6 +233,13 @@ def test_the_proposer_weighs_sources_alike_in_process_and_over_the_service(built
     histories = [np.array(u["tokens"][:40] + v["tokens"][:10] + u["tokens"][:6]) for u, v in zip(corpus, corpus[12:24])]
     local = make_drafter(read_options({"echospec": {"store": str(store), "step_timeout": 5.0}}), 8)
     assert tuple(local.retriever.weights) == DRAFT_WEIGHTS
+    streamed = make_drafter(read_options({"echospec": {"store": str(store), "step_timeout": 5.0,
+                                                       "access": "stream"}}), 8)
+    assert streamed.retriever.datastore.access == "stream" and streamed.propose(histories) == local.propose(histories)
+    with pytest.raises(ValueError, match='"access" must be one of auto, random, stream, readahead'):
+        read_options({"echospec": {"store": str(store), "access": "sequential"}})
+    with pytest.raises(ValueError, match="echospec serve --access"):
+        read_options({"echospec": {"url": "http://127.0.0.1:1", "store_name": "store", "access": "stream"}})
     plain = ChainDrafter(retriever, k=8, step_timeout=5.0)  # the retriever's own weights
     assert local.propose(histories) != plain.propose(histories)  # the weights change some chains here
     weights = ",".join(map(str, DRAFT_WEIGHTS))
