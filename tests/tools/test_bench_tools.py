@@ -238,3 +238,37 @@ def test_bench_pages_reports_each_access_and_refuses_an_unknown_one(tmp_path):
     assert summary["index"]["mapped_share_by_file"]["tokens.npy"] < 0.99  # 10 proposals touch a few of its 977 pages
     refused = CliRunner().invoke(bench_pages, [*args, "--variants", "index,sequential"])
     assert refused.exit_code == 2 and "choose among" in refused.output
+
+
+def test_search_pages_replays_the_search_and_counts_what_a_table_spares(tmp_path):
+    """The replayed search finds every range kernels.match found (measure asserts it, over 1 and 3 shards); a
+    table of every occurring n-gram spares pages, one of none spares nothing."""
+    from echospec.datastore import build
+    from echospec.retriever import Retriever
+    from echospec.tools.benchmarks.search_pages import main as search_pages
+    from echospec.tools.benchmarks.search_pages import measure
+
+    rng = np.random.default_rng(1)
+    motifs = [rng.integers(0, 40, 6).tolist() for _ in range(8)]
+    utterances = [sum((motifs[i] for i in rng.integers(0, 8, 10)), []) for _ in range(120)]
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for i, tokens in enumerate(utterances):
+            f.write(json.dumps({"id": f"u{i}", "tokens": tokens}) + "\n")
+    np.savez(tmp_path / "held.npz", tokens=np.concatenate(utterances[:10]), lengths=[len(u) for u in utterances[:10]])
+    never = 10**9
+    for shards in (1, 3):
+        ds = build(tmp_path / "c.jsonl", tmp_path / f"s{shards}", per_speaker=False, faiss=False, progress=False,
+                   shards=shards)
+        r = Retriever(ds, prompt_lookup=False, use_faiss=False, cap=4, min_support=2)
+        ctxs = [np.asarray(u[:p], np.int64) for u in utterances[:10] for p in range(2, len(u), 9)]
+        result = measure(r, ctxs, (1, never))
+        pages = result["search_pages"]
+        assert pages[f"heavy {never}"] == pages["today"] > pages["heavy 1"] >= 0
+        assert result["table_share"][never] == 0 < result["table_share"][1]
+        assert result["continuation_pages"] > 0 and result["pages"]["today"] >= pages["today"]
+    done = CliRunner().invoke(search_pages, ["--store", str(tmp_path / "s3"), "--held", str(tmp_path / "held.npz"),
+                                             "--proposals", "20", "--heavy", "1"])
+    assert done.exit_code == 0 and "| heavy 1 |" in done.output, done.output
+    refused = CliRunner().invoke(search_pages, ["--store", str(tmp_path / "s3"), "--held", str(tmp_path / "held.npz"),
+                                                "--heavy", "many"])
+    assert refused.exit_code == 2 and "whole numbers" in refused.output
