@@ -193,6 +193,18 @@ def test_task_memory_is_fitted_only_over_tasks_of_two_sizes():
     assert one_size["base_mb"] == 0 and 46 < one_size["bytes_per_token"] < 48
 
 
+def motif_corpus(path, seed: int, vocab: int, motifs: int, per_utterance: int, n: int) -> list[list[int]]:
+    """`n` utterances of `per_utterance` random 6-token motifs each, written to `path` as JSONL: a small store whose
+    contexts recur often enough that caps and supports bind."""
+    rng = np.random.default_rng(seed)
+    pieces = [rng.integers(0, vocab, 6).tolist() for _ in range(motifs)]
+    utterances = [sum((pieces[i] for i in rng.integers(0, motifs, per_utterance)), []) for _ in range(n)]
+    with open(path, "w") as f:
+        for i, tokens in enumerate(utterances):
+            f.write(json.dumps({"id": f"u{i}", "tokens": tokens}) + "\n")
+    return utterances
+
+
 def test_continuation_choice_replays_the_gather(tmp_path):
     """All `cap` rows near the longer suffix is Retriever.propose's own tree (prompt lookup off); spread rows differ
     only where the cap binds."""
@@ -201,12 +213,7 @@ def test_continuation_choice_replays_the_gather(tmp_path):
     from echospec.tools.benchmarks.bench_shards import oracle
     from echospec.tools.benchmarks.continuation_choice import Chosen, propose
 
-    rng = np.random.default_rng(0)
-    motifs = [rng.integers(0, 12, 6).tolist() for _ in range(5)]
-    utterances = [sum((motifs[i] for i in rng.integers(0, 5, 8)), []) for _ in range(60)]
-    with open(tmp_path / "c.jsonl", "w") as f:
-        for i, tokens in enumerate(utterances):
-            f.write(json.dumps({"id": f"u{i}", "tokens": tokens}) + "\n")
+    utterances = motif_corpus(tmp_path / "c.jsonl", seed=0, vocab=12, motifs=5, per_utterance=8, n=60)
     ds = build(tmp_path / "c.jsonl", tmp_path / "s", per_speaker=False, faiss=False, progress=False)
     r = Retriever(ds, prompt_lookup=False, use_faiss=False, cap=4, min_support=2)
     wide = Retriever(ds, prompt_lookup=False, use_faiss=False, cap=10_000, min_support=2)
@@ -248,12 +255,7 @@ def test_search_pages_replays_the_search_and_counts_what_a_table_spares(tmp_path
     from echospec.tools.benchmarks.search_pages import main as search_pages
     from echospec.tools.benchmarks.search_pages import measure
 
-    rng = np.random.default_rng(1)
-    motifs = [rng.integers(0, 40, 6).tolist() for _ in range(8)]
-    utterances = [sum((motifs[i] for i in rng.integers(0, 8, 10)), []) for _ in range(120)]
-    with open(tmp_path / "c.jsonl", "w") as f:
-        for i, tokens in enumerate(utterances):
-            f.write(json.dumps({"id": f"u{i}", "tokens": tokens}) + "\n")
+    utterances = motif_corpus(tmp_path / "c.jsonl", seed=1, vocab=40, motifs=8, per_utterance=10, n=120)
     np.savez(tmp_path / "held.npz", tokens=np.concatenate(utterances[:10]), lengths=[len(u) for u in utterances[:10]])
     never = 10**9
     for shards in (1, 3):
