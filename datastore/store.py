@@ -55,8 +55,9 @@ def choose_access(access: str, stream_bytes: int, sa_bytes: int, available: int 
     stream at scattered places (from a cold cache on a 20M-token store, 18 and 15 of a proposal's 34 misses;
     the suffix array 1 with the sampled index), so a replica with RAM for the stream but not for the store
     takes 1.1 misses a proposal instead of 4.4 over 3,000 cold proposals, 16 instead of 49 at 200M tokens in
-    16 shards (docs/scaling.md). Opening then reads the stream whole (as long as the disk takes to read it), so it is for
-    serving (`echospec serve --access stream`), and "auto" never picks it: a one-off query would read it all.
+    16 shards (docs/scaling.md). Opening then reads the stream whole (as long as the disk takes to read it),
+    so it is for serving (`echospec serve --access stream`), and "auto" never picks it: a one-off query would
+    read it all.
 
     "auto" chooses "random" when the general store's stream and suffix array (`stream_bytes`, `sa_bytes`)
     take more than half of the memory `available` (MemAvailable when opened; random where it is unknown).
