@@ -91,9 +91,11 @@ class Datastore:
                               for name, row in self._speakers.items()}
         directories = [row["directory"] for row in self._shards] or [self._stores["general"]["directory"]]
         sizes = {row["path"]: row["bytes"] for row in self._files}  # checked against the files by catalog.read
-        stream_bytes, sa_bytes = (sum(sizes.get(f"{d}/{name}", 0) for d in directories)
-                                  for name in ("tokens.npy", "sa.npy"))
-        self.access = choose_access(access, stream_bytes, sa_bytes, proc_bytes("/proc/meminfo", "MemAvailable"))
+        self.stream_bytes, self.sa_bytes = (sum(sizes.get(f"{d}/{name}", 0) for d in directories)
+                                            for name in ("tokens.npy", "sa.npy"))
+        """The general store's streams and suffix arrays, in bytes: what serving it maps (see choose_access)."""
+        self.access = choose_access(access, self.stream_bytes, self.sa_bytes,
+                                    proc_bytes("/proc/meminfo", "MemAvailable"))
         """How the stores read from disk: "readahead", "stream" or "random" (see choose_access)."""
         self.shards = tuple(ExactStore(root / d, self.vocab_size, self.access) for d in directories)
         """The general store: its shards, each an exact store (most datastores have one)."""
@@ -182,6 +184,7 @@ class Datastore:
             "exact_bytes": sum(r["bytes"] for r in self._stores.values() if r["kind"] == "exact"),
             "general_bytes_per_token": round(general["bytes"] / max(general["tokens"], 1), 3),
             "faiss_bytes": sum(r["bytes"] for r in self._stores.values() if r["kind"] == "faiss"),
+            "serving": {"stream_bytes": self.stream_bytes, "sa_bytes": self.sa_bytes, "access": self.access},
             "stores": stores,
             "shards": [{k: row[k] for k in ("shard", "directory", "utterances", "tokens", "bytes", "sha256")}
                        for row in self._shards],

@@ -3,6 +3,7 @@
 import json
 import os
 import sqlite3
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,6 +62,12 @@ def test_info_text_json_and_verify(store):
     assert text.exit_code == 0 and "2400 tokens" in text.output and "speaker:ann" in text.output
     data = json.loads(run("info", store, "--json").output)
     assert data["tokens"] == 2400 and data["vocabulary"]["stop_ids"] == [30] and set(data["speakers"]) == {"ann", "bob"}
+    general = Path(data["path"]) / "general"
+    serving = data["serving"]  # what serving maps: the general store's stream and suffix array, and auto's choice
+    assert serving == {"stream_bytes": (general / "tokens.npy").stat().st_size,
+                       "sa_bytes": (general / "sa.npy").stat().st_size,
+                       "access": "readahead" if Path("/proc/meminfo").exists() else "random"}
+    assert f"({serving['stream_bytes'] / 1e6:.2f} MB for --access stream); here auto: {serving['access']}" in text.output
     verified = run("info", store, "--verify")
     assert verified.exit_code == 0 and "all files verified" in verified.output
 

@@ -117,6 +117,10 @@ def info(store, as_json, verify):
                f"{len(data['speakers'])} speakers")
     click.echo(f"  disk        exact {data['exact_bytes'] / 1e6:.2f} MB "
                f"({data['general_bytes_per_token']} B/token general), FAISS {data['faiss_bytes'] / 1e6:.2f} MB")
+    serving = data["serving"]
+    mapped = (serving["stream_bytes"] + serving["sa_bytes"]) / 1e6
+    click.echo(f"  serving     general store {mapped:.2f} MB in RAM to read ahead ({serving['stream_bytes'] / 1e6:.2f} "
+               f"MB for --access stream); here auto: {serving['access']}")
     width = max(len(row["name"]) for row in data["stores"]) + 2
     click.echo(f"  {'store':<{width}} {'kind':<6} {'utterances':>10} {'tokens':>12} {'bytes':>12}")
     for row in data["stores"]:
