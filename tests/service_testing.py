@@ -68,31 +68,28 @@ what the command line does not offer. `uvicorn_version` makes the real check in 
 fast path (it was written for another version), and the service runs on uvicorn's own protocol."""
 
 
-def vm_flags(path: Path, pid: int | str = "self") -> list[set[str]]:
-    """The VmFlags of every mapping of `path` in process `pid` (Linux's /proc/PID/smaps): "rr" where the mapping
-    is advised MADV_RANDOM."""
-    flags, current = [], None
+def smaps_fields(path: Path, field: str, pid: int | str = "self") -> list[list[str]]:
+    """The values of `field` (e.g. "VmFlags", "Rss") in every mapping of `path` in process `pid` (Linux's
+    /proc/PID/smaps), one list of words per mapping."""
+    values, current = [], None
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             parts = line.split()
             if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:  # a mapping's header line
                 current = len(parts) >= 6 and parts[5] == str(path)
-            elif current and line.startswith("VmFlags:"):
-                flags.append(set(parts[1:]))
-    return flags
+            elif current and parts[0] == f"{field}:":
+                values.append(parts[1:])
+    return values
+
+
+def vm_flags(path: Path, pid: int | str = "self") -> list[set[str]]:
+    """The VmFlags of every mapping of `path` in process `pid`: "rr" where the mapping is advised MADV_RANDOM."""
+    return [set(words) for words in smaps_fields(path, "VmFlags", pid)]
 
 
 def resident_bytes(path: Path, pid: int | str = "self") -> int:
-    """Bytes of `path` that process `pid` has mapped and resident (the Rss of its mappings of it in smaps)."""
-    total, current = 0, None
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            parts = line.split()
-            if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:
-                current = len(parts) >= 6 and parts[5] == str(path)
-            elif current and line.startswith("Rss:"):
-                total += int(parts[1]) * 1024
-    return total
+    """Bytes of `path` that process `pid` has mapped and resident (the Rss of its mappings of it)."""
+    return sum(int(words[0]) * 1024 for words in smaps_fields(path, "Rss", pid))
 
 
 class Server:

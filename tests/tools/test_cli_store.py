@@ -67,7 +67,8 @@ def test_info_text_json_and_verify(store):
     assert serving == {"stream_bytes": (general / "tokens.npy").stat().st_size,
                        "sa_bytes": (general / "sa.npy").stat().st_size,
                        "access": "readahead" if Path("/proc/meminfo").exists() else "random"}
-    assert f"({serving['stream_bytes'] / 1e6:.2f} MB for --access stream); here auto: {serving['access']}" in text.output
+    stream_mb = serving["stream_bytes"] / 1e6
+    assert f"({stream_mb:.2f} MB for --access stream); here auto: {serving['access']}" in text.output
     verified = run("info", store, "--verify")
     assert verified.exit_code == 0 and "all files verified" in verified.output
 

@@ -13,7 +13,8 @@ checking every range it finds against kernels.match, and counts the distinct str
              range (so this is an upper bound on what such a table leaves)
 
 with the continuations' pages beside them, and each table's size against the store's stream and suffix array.
-Simulated, not built: the table is the design a next step would build if the saving is worth its bytes.
+The table is simulated, not built: a prototype that binary-searched its rows in memory made warm matches slower
+at 16 shards than the interleaved probes it spares (docs/scaling.md).
 
     python -m echospec.tools.benchmarks.search_pages --store bench/pages/store --held bench/pages/held.npz
 """
@@ -50,7 +51,7 @@ def heavy_ranges(tokens: np.ndarray, sa: np.ndarray, n_max: int, threshold: int)
 
 
 class Shard:
-    """One shard's stream and suffix array, and the pages a proposal touched in its stream."""
+    """One shard's stream and suffix array, and narrow's search over them, recording the stream pages it probes."""
 
     def __init__(self, store, s: int):
         self.tokens, self.sa = kernels.shard_tokens(store, s), kernels.shard_sa(store, s)
