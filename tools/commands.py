@@ -14,10 +14,13 @@ from importlib.util import find_spec
 
 import click
 
+from .audio import QUALITY_MODULES, quality_missing
+
 EXTRAS = {
     "decoder": ("torch", "transformers", "safetensors"),
     "service": ("fastapi", "uvicorn", "httptools", "prometheus_client"),
     "bench": ("torch", "transformers", "safetensors", "matplotlib"),
+    "quality": QUALITY_MODULES,
 }
 """The modules a command imports from each extra of pyproject.toml (import names, not distribution names)."""
 
@@ -106,3 +109,55 @@ def device_option(default: str = "cpu"):
     """--device: where the model runs."""
     return click.option("--device", default=default, show_default=True,
                         help="Where the model runs: cpu, cuda, cuda:1, ...")
+
+
+def audio_options(command):
+    """--audio, --audio-scores, --vocoder, --asr, --speaker-encoder, --mos, --scoring-workers: audio out and the
+    scores on it (echospec.tools.audio)."""
+    options = [
+        click.option("--audio", "audio_dir", type=click.Path(file_okay=False),
+                     help="Write every utterance as DIR/<system>/<prompt id>.wav (and the references' audio)."),
+        click.option("--audio-scores/--no-audio-scores", default=None, show_default="where a vocoder is at hand "
+                     "and the quality extra installed", help="Score WER, SIM and MOS on audio."),
+        click.option("--vocoder", metavar="MODULE:CALLABLE", show_default="the k-means stand-in from --tokenizer",
+                     help="The model's token decoder: tokens -> (waveform, sample_rate)."),
+        click.option("--asr", metavar="NAME|MODULE:CALLABLE", show_default="pocketsphinx",
+                     help="ASR for WER: pocketsphinx, whisper, faster-whisper, or (waveform, rate) -> text."),
+        click.option("--speaker-encoder", metavar="MODULE:CALLABLE", show_default="resemblyzer",
+                     help="Speaker embedding for SIM: (waveform, rate) -> vector."),
+        click.option("--mos", metavar="MODULE:CALLABLE", show_default="DNSMOS P.808 (speechmos)",
+                     help="MOS predictor: (waveform, rate) -> float."),
+        click.option("--scoring-workers", default=2, show_default=True, type=click.IntRange(1),
+                     help="Processes scoring audio after decoding."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def audio_settings(audio_dir, audio_scores, vocoder, asr, speaker_encoder, mos, scoring_workers) -> dict:
+    """The audio options as the library's keyword arguments, checked: a spec that names nothing loadable is a
+    usage error (exit 2); asking for audio without the quality extra names the extra."""
+    from .audio.scorers import ASR_NAMES
+    from .audio.vocoder import find_callable
+
+    asked = audio_dir or audio_scores or any((vocoder, asr, speaker_encoder, mos))
+    if asked and audio_scores is not False:
+        missing = quality_missing()
+        if missing is not None:
+            raise click.ClickException(f"scores on audio need the quality extra ({missing} is not installed): "
+                                       "pip install -e '.[quality]' in a checkout")
+    for name, spec in (("--vocoder", vocoder), ("--asr", asr), ("--speaker-encoder", speaker_encoder),
+                       ("--mos", mos)):
+        if spec is None or (name == "--asr" and spec in ASR_NAMES):
+            if name == "--asr" and spec in ASR_NAMES[1:] and find_spec(spec.replace("-", "_")) is None:
+                raise click.BadParameter(f"{spec} is not installed (pip install "
+                                         f"{'openai-whisper' if spec == 'whisper' else spec})", param_hint=name)
+            continue
+        try:
+            find_callable(spec, name)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint=name) from None
+    return {"audio_dir": audio_dir, "audio_scores": audio_scores, "vocoder": vocoder, "asr": asr,
+            "speaker_encoder": speaker_encoder, "mos": mos, "scoring_workers": scoring_workers}
+

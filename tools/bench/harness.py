@@ -49,6 +49,7 @@ class Prompt:
     reference: list[int] | None = None
     inputs_embeds: object = None
     prompt_speech: list[int] | None = None
+    text: str | None = None  # what the prompt asks to be said, where known: what WER is scored against
 
     def inputs(self) -> dict:
         """The prompt as keyword arguments of echospec's `generate`."""

@@ -130,7 +130,7 @@ def load_prompts(prompts, meta: TTSMeta | None, limit: int | None = None) -> lis
                                  "encode text")
             speech = row.get("prompt_speech")
             out.append(Prompt(str(row.get("id", len(out) + 1)), row.get("speaker"), ids, row.get("reference_tokens"),
-                              embeds, None if speech is None else [int(t) for t in speech]))
+                              embeds, None if speech is None else [int(t) for t in speech], row.get("text")))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, OSError) as e:
             raise BenchError(f"{where}: bad prompt ({e})") from None
     if not out:

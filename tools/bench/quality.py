@@ -51,6 +51,13 @@ def relative_difference_ci(values, baseline, resamples: int = 2000, seed: int = 
     return _paired_bootstrap(change, values, baseline, resamples, seed)
 
 
+def difference_ci(values, baseline, resamples: int = 2000, seed: int = 0) -> Interval:
+    """mean(values - baseline) (a score's change in its own units: WER, SIM, MOS) with a 95% paired bootstrap
+    interval, resampling utterance pairs."""
+    return _paired_bootstrap(lambda values, baseline: (values - baseline).mean(axis=-1), values, baseline,
+                             resamples, seed)
+
+
 def ratio_of_medians_ci(baseline, values, resamples: int = 2000, seed: int = 0) -> Interval:
     """median(baseline) / median(values) (the bench's speed-up from times per token) with a 95% paired
     bootstrap interval: utterance i of both lists is the same prompt, resampled together."""

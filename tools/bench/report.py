@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from ...datastore.files import atomic_file
+from .audio import has_audio_scores, paper_table
+from .frontier import write_frontier
 from .harness import System, pyplot, save_figure
 from .quality import bootstrap_ci, median_ratio_ci, ratio_of_medians_ci, relative_difference_ci
 
@@ -87,6 +89,12 @@ def format_table(report: dict, full: bool = False) -> str:
     notes = [headline(report), ""]
     notes += _full_table(report) if full else _short_table(report)
     notes += _auto_notes(report, full)
+    if has_audio_scores(report):
+        notes += ["", paper_table(report, full, [n for n in report["systems"] if "=" not in n])]
+    if "frontier" in report:
+        notes += ["", "Frontier (frontier.md has every setting): " + report["frontier"]["rule"]]
+        notes += [f"  {policy} ({found['knob']}): {found['chosen'] or 'none'} — {found['note']}"
+                  for policy, found in report["frontier"]["policies"].items()]
     return "\n".join(notes)
 
 
@@ -234,6 +242,8 @@ def write_report(report: dict, out_dir: Path) -> None:
     with atomic_file(out_dir / "bench.md") as f:
         f.write("```\n" + format_table(report, full=True) + "\n```\n")
     plot(report, out_dir / "bench.png")
+    if "frontier" in report:
+        write_frontier(report["frontier"], out_dir)
 
 
 BASELINES = {"autoregressive": ("greedy, against autoregressive", "tab:blue"),

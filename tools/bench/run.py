@@ -21,7 +21,11 @@ from pathlib import Path
 import numpy as np
 
 from ...retriever.tree import MAX_DEPTH
+from ..audio.scorers import Setup
+from ..audio import quality_missing
+from .audio import score_audio
 from .divergence import divergence
+from .frontier import frontier, swept_settings
 from .harness import (
     POLICIES,
     BenchError,
@@ -48,7 +52,8 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
           max_depth: int = MAX_DEPTH, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
           limit: int | None = None, rounds: int = 1, max_new_tokens: int = 400, threads: int = 1, seed: int = 0,
           tau: int | None = None, beta: float = 0.2, similarity: float = 0.3, device: str = "cpu",
-          dtype: str = "float32", out_dir=None, progress: bool = True) -> dict:
+          dtype: str = "float32", out_dir=None, progress: bool = True, sweeps=None, audio_scores: bool | None = None,
+          vocoder=None, asr=None, speaker_encoder=None, mos=None, audio_dir=None, scoring_workers: int = 2) -> dict:
     """Decode `prompts` with every system; return (and write to `out_dir`) the report as a dict.
 
     `checkpoint`: an echospec TTS checkpoint folder, any Hugging Face causal LM folder, or (from Python) a
@@ -70,12 +75,20 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     scale. For each utterance where a lossless system's tokens differ from its baseline's, the report
     gives the first divergent position and the largest logit difference there between the system's forward
     and a plain one-token forward (`divergences`): rounding (tiny differences at a near-tie) or a bug.
+
+    Scores on audio (`audio_scores`; None: where a vocoder is at hand, `vocoder` or the `tokenizer`'s stand-in,
+    and the quality extra is installed): every utterance and each prompt's reference through `vocoder`, scored
+    for WER (`asr`), SIM (`speaker_encoder`) and MOS (`mos`) in `scoring_workers` processes after decoding
+    (echospec.tools.audio.scorers); `audio_dir` keeps the WAVs as audio_dir/<system>/<prompt id>.wav.
+    `sweeps` ({"tau": (10, 20), "beta": ..., "threshold": ...}) adds one system per setting of the policies each
+    knob sets (frontier.KNOBS) on the first store, and the frontier (frontier.json, .md, .png) to `out_dir`.
     """
     import torch
 
     from ...decoder.budget import CAPS, NODES
 
     max_nodes = NODES if max_nodes is None else max_nodes
+    sweeps = dict(sweeps or {})
     sampler_name, sampler = _sampler(sampler)
     unknown = set(sweep_policies) - set(policies)
     if unknown:
@@ -87,7 +100,8 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     hf_baselines = (head is None and speech_embedding is None
                     and all(p.input_ids is not None for p in inputs.prompts))
     compared = systems(inputs, list(policies), list(stores), sweep_nodes, sweep_depths or (max_depth,),
-                       list(sweep_policies), max_nodes, max_depth, max_new_tokens, hf_baselines, sampler, attach)
+                       list(sweep_policies), max_nodes, max_depth, max_new_tokens, hf_baselines, sampler, attach,
+                       sweeps)
 
     warm_up(compared, inputs.prompts[0], seed)
     largest = max(max(CAPS) if n == "auto" else int(n) for n in [max_nodes, *sweep_nodes])
@@ -113,7 +127,14 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
                        "speech": {"offset": speech.offset, "size": speech.size, "stop_ids": list(speech.stop_ids),
                                   "codebooks": speech.codebooks},
                        "relaxed": asdict(inputs.relaxed),
-                       "sampler": {"preset": sampler_name, "rule": repr(sampler)}}
+                       "sampler": {"preset": sampler_name, "rule": repr(sampler)}, "sweeps": sweeps}
+    if audio_scores is None:
+        audio_scores = (vocoder is not None or tokenizer is not None) and quality_missing() is None
+    if audio_scores or audio_dir is not None:
+        setup = Setup(vocoder, None if tokenizer is None else str(tokenizer), asr, speaker_encoder, mos)
+        score_audio(report, inputs.prompts, speech, setup, out_dir, audio_dir, scoring_workers, progress)
+    if sweeps:
+        report["frontier"] = frontier(report)
     if out_dir is not None:
         write_report(report, Path(out_dir))
     return report
@@ -130,7 +151,7 @@ def _sampler(sampler) -> tuple[str | None, object]:
 
 def systems(inputs: DecodeInputs, policies: list[str], stores: list[str], sweep_nodes, sweep_depths,
             sweep_policies: list[str], max_nodes, max_depth: int, max_new_tokens: int, hf_baselines: bool, sampler,
-            attach: dict) -> list[System]:
+            attach: dict, sweeps: dict) -> list[System]:
     """The baselines, each policy on each store, and the sweeps (on the first store), each with its baseline:
     greedy systems against HF `generate` (or echospec's own loop where `generate` cannot run the model),
     sampling systems against autoregressive sampling with the same sampler."""
@@ -142,9 +163,9 @@ def systems(inputs: DecodeInputs, policies: list[str], stores: list[str], sweep_
         return hf_generate_run(model, counter, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
                                pad_token_id=stop_ids[0], **extra)
 
-    def echospec(policy, store, nodes, depth):
+    def echospec(policy, store, nodes, depth, settings=relaxed):
         return echospec_run(model, retriever if store else None,
-                            lambda seed: make_policy(policy, seed, relaxed, sampler), speech,
+                            lambda seed: make_policy(policy, seed, settings, sampler), speech,
                             speaker=store == "speaker", record_logits=bool(store) and policy.startswith("exact"),
                             max_new_tokens=max_new_tokens, max_nodes=nodes, max_depth=depth, **attach)
 
@@ -155,13 +176,16 @@ def systems(inputs: DecodeInputs, policies: list[str], stores: list[str], sweep_
         ]
     else:  # a model with its own head, or embeddings prompts: Hugging Face generate cannot run it
         out = [System("autoregressive", echospec("exact-greedy", None, 0, 1))]
-    if any(p != "exact-greedy" for p in policies):
+    if sweeps or any(p != "exact-greedy" for p in policies):
         out.append(System("ar-sampling", echospec("exact-sampling", None, 0, 1)))
     for policy in policies:
         baseline = "autoregressive" if policy == "exact-greedy" else "ar-sampling"
         lossless = baseline if policy.startswith("exact") else None
         for store in stores:
             out.append(System(f"{policy}/{store}", echospec(policy, store, max_nodes, max_depth), baseline, lossless))
+    for policy, knob, value, settings in swept_settings(sweeps, relaxed):
+        out.append(System(f"{policy}/{stores[0]}/{knob}={value}",
+                          echospec(policy, stores[0], max_nodes, max_depth, settings), "ar-sampling"))
     for policy in sweep_policies or ["exact-sampling" if "exact-sampling" in policies else policies[0]]:
         baseline = "autoregressive" if policy == "exact-greedy" else "ar-sampling"
         lossless = baseline if policy.startswith("exact") else None

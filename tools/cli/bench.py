@@ -6,8 +6,8 @@ import click
 
 from ...retriever.tree import MAX_DEPTH
 from ..bench.harness import POLICIES
-from ..commands import (OldSpellings, device_option, dtype_option, fail_cleanly, limit_option, needs_extra,
-                        out_option, threads_option)
+from ..commands import (OldSpellings, audio_options, audio_settings, device_option, dtype_option, fail_cleanly,
+                        limit_option, needs_extra, out_option, threads_option)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -66,13 +66,18 @@ full_option = click.option("--full", is_flag=True, help="Print the full table (e
 @click.option("--beta", default=0.2, show_default=True, type=click.FloatRange(0, 1), help="Tolerance's beta.")
 @click.option("--similarity", default=0.3, show_default=True, type=click.FloatRange(-1, 1),
               help="SimilarityGroups' cosine threshold.")
+@click.option("--sweep", "sweeps", multiple=True, metavar="KNOB=V1,V2,...",
+              help="A relaxed policy's knob to sweep for the speed-quality frontier (repeatable): tau (filtered), "
+                   "beta (tolerance), threshold (similarity, pcg); writes frontier.md/.json/.png.")
+@audio_options
 @out_option("runs/bench")
 @full_option
 @needs_extra("bench")
 @fail_cleanly
 def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_ids, token_rate, tokenizer, policies,
                   sampler, stores, max_nodes, max_depth, sweep_nodes, sweep_depths, sweep_policies, limit, rounds,
-                  max_new_tokens, threads, seed, dtype, device, tau, beta, similarity, out_dir, full):
+                  max_new_tokens, threads, seed, dtype, device, tau, beta, similarity, sweeps, audio_dir, audio_scores,
+                  vocoder, asr, speaker_encoder, mos, scoring_workers, out_dir, full):
     """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT: an echospec TTS
     checkpoint or any Hugging Face causal LM folder (a model with its own speech head: the Python API,
     echospec.tools.bench.bench(..., head=...)).
@@ -84,6 +89,13 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
         --speech-offset 128264 --vocab-size 65536 --stop-id 128261
     """
     from ..bench import bench, format_table
+    from ..bench.frontier import parse_sweep
+
+    try:
+        sweeps = dict(parse_sweep(text) for text in sweeps)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--sweep") from None
+    audio = audio_settings(audio_dir, audio_scores, vocoder, asr, speaker_encoder, mos, scoring_workers)
 
     stores = tuple(s.strip() for s in stores.split(",") if s.strip())
     if not stores or set(stores) - {"speaker", "general"}:
@@ -98,9 +110,11 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
                    sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (max_depth,),
                    sweep_policies=sweep_policies, limit=limit, rounds=rounds,
                    max_new_tokens=max_new_tokens, threads=threads, seed=seed, tau=tau, beta=beta,
-                   similarity=similarity, device=device, dtype=dtype, out_dir=out_dir)
+                   similarity=similarity, device=device, dtype=dtype, out_dir=out_dir, sweeps=sweeps, **audio)
     click.echo(format_table(report, full=full))
-    click.echo(f"\nWrote {out_dir}/bench.json, bench.md (the full table) and bench.png")
+    click.echo(f"\nWrote {out_dir}/bench.json, bench.md (the full table) and bench.png"
+               + (", frontier.md, frontier.json and frontier.png" if sweeps else "")
+               + (f"; the WAVs under {audio_dir}" if audio_dir else ""))
 
 
 @click.command("demo")

@@ -1,0 +1,21 @@
+"""Audio out and scores on audio: what `echospec synthesize`, `bench --audio` and the demo's listening page use.
+
+    vocoder     a vocoder is a callable tokens -> (waveform, sample_rate); the default, `KMeansVocoder`, is a
+                stand-in for a k-means tokenizer's store (centroid log-mels -> Griffin-Lim); WAV files
+    scorers     WER (ASR + jiwer), SIM (speaker-embedding cosine), MOS (DNSMOS), pluggable, scored in worker
+                processes with a resumable cache
+    synthesize  `echospec synthesize`: one text spoken by an echospec TTS checkpoint, written as a WAV
+    listen      listen.html: per prompt, the reference and every system side by side as audio players
+
+Needs the `quality` extra (librosa, pocketsphinx, resemblyzer, speechmos, jiwer).
+"""
+
+QUALITY_MODULES = ("librosa", "pocketsphinx", "resemblyzer", "speechmos", "onnxruntime", "jiwer")
+"""What the `quality` extra brings (import names): the default vocoder and scorers."""
+
+
+def quality_missing() -> str | None:
+    """The first module of the quality extra that is not installed, or None."""
+    from importlib.util import find_spec
+
+    return next((m for m in QUALITY_MODULES if find_spec(m) is None), None)

@@ -1,0 +1,139 @@
+"""Vocoders: a vocoder is any callable `tokens -> (waveform, sample_rate)` taking store-local speech ids.
+
+The default, `KMeansVocoder`, is a stand-in for stores and checkpoints made with echospec's k-means speech
+tokenizer (the sample's `tokenizer.npz`): each token's centroid is a log-mel frame, librosa's NNLS inversion
+turns it into a linear magnitude spectrum, and Griffin-Lim finds a phase. It keeps what the tokens say about
+the spectral envelope and loses pitch and phase detail, so it sounds buzzy and robotic: good enough to hear a
+policy's effect and to score it with the same ears each time, not a model's real voice. A real model passes its
+own token decoder (`--vocoder module:callable`, `vocoder=`): docs/models.md shows each family's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import wave
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ...datastore.files import atomic_file
+from ..corpus.speech_tokenizer import SpeechTokenizer
+
+UPSAMPLE = 4  # Griffin-Lim runs at a quarter of the token hop: overlap 7/8 of a window, which it needs to converge
+GRIFFIN_LIM_ITERATIONS = 32
+
+
+class KMeansVocoder:
+    """Tokens of a k-means speech tokenizer -> centroid log-mels -> linear magnitudes -> Griffin-Lim waveform.
+
+    The NNLS inversion is solved once per centroid (each column is independent), so a call only looks up its
+    tokens' spectra, interpolates them to a finer hop (log magnitudes, linearly between frame centres) and runs
+    Griffin-Lim with a fixed seed: the same tokens give the same waveform, `len(tokens) * hop_length` samples.
+    """
+
+    def __init__(self, tokenizer: SpeechTokenizer | str | os.PathLike, iterations: int = GRIFFIN_LIM_ITERATIONS):
+        import librosa
+
+        self.tokenizer = tokenizer if isinstance(tokenizer, SpeechTokenizer) else SpeechTokenizer.load(tokenizer)
+        cfg = self.tokenizer.cfg
+        log_mels = (self.tokenizer.centroids * self.tokenizer.std + self.tokenizer.mean).T.astype(np.float64)
+        # scaled to a peak of 1 first: NNLS on raw energies (e^9) takes minutes to converge, scaled it takes a second
+        peak = log_mels.max()
+        magnitudes = librosa.feature.inverse.mel_to_stft(
+            np.exp(log_mels - peak), sr=cfg.sample_rate, n_fft=cfg.n_fft, power=2.0, fmin=cfg.fmin, fmax=cfg.fmax,
+            htk=True, norm=None)  # the tokenizer's filterbank: HTK mel scale, unnormalised triangles
+        self.log_spectra = np.log(magnitudes + 1e-6) + peak / 2  # [n_fft // 2 + 1, vocabulary], log magnitude
+        self.iterations = iterations
+        self.sample_rate = cfg.sample_rate
+        self.hop_length = cfg.hop_length
+        self.n_fft = cfg.n_fft
+
+    @property
+    def token_rate(self) -> float:
+        return self.sample_rate / self.hop_length
+
+    def __call__(self, tokens) -> tuple[np.ndarray, int]:
+        import librosa
+
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError("the vocoder needs a non-empty sequence of speech tokens")
+        if tokens.min() < 0 or tokens.max() >= self.log_spectra.shape[1]:
+            raise ValueError(f"speech tokens must lie in [0, {self.log_spectra.shape[1]}), "
+                             f"got [{tokens.min()}, {tokens.max()}]")
+        frames = self.log_spectra[:, tokens]
+        fine = np.minimum(np.arange(len(tokens) * UPSAMPLE + 1) / UPSAMPLE, len(tokens) - 1)  # centred frames
+        below = np.floor(fine).astype(np.int64)
+        above = np.minimum(below + 1, len(tokens) - 1)
+        weight = fine - below
+        magnitude = np.exp(frames[:, below] * (1 - weight) + frames[:, above] * weight)
+        waveform = librosa.griffinlim(magnitude, n_iter=self.iterations, hop_length=self.hop_length // UPSAMPLE,
+                                      n_fft=self.n_fft, length=len(tokens) * self.hop_length, random_state=0)
+        return normalised(waveform), self.sample_rate
+
+
+def normalised(waveform: np.ndarray, peak: float = 0.9) -> np.ndarray:
+    """float32 waveform scaled to `peak` (silence stays silent)."""
+    waveform = np.asarray(waveform, dtype=np.float32)
+    top = float(np.abs(waveform).max()) if waveform.size else 0.0
+    return waveform * (peak / top) if top > 0 else waveform
+
+
+def find_callable(spec, what: str) -> Callable:
+    """What `spec` names: a callable itself, or "module:attribute". Raises ValueError naming `what` (e.g.
+    "--vocoder") when it cannot be had."""
+    if callable(spec):
+        return spec
+    module_name, _, attribute = str(spec).partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"{what} {spec!r}: expected module:callable (e.g. mypackage.codec:decode)")
+    try:
+        found = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{what} {spec!r}: cannot import {module_name} ({e})") from None
+    for part in attribute.split("."):
+        found = getattr(found, part, None)
+    if not callable(found):
+        raise ValueError(f"{what} {spec!r}: {module_name} has no callable {attribute}")
+    return found
+
+
+def load_callable(spec, what: str) -> Callable:
+    """The callable `spec` names (see `find_callable`); a class is instantiated with no arguments (a model
+    loaded once, then called per utterance)."""
+    found = find_callable(spec, what)
+    return found() if isinstance(found, type) else found
+
+
+def load_vocoder(spec=None, tokenizer=None) -> Callable:
+    """The vocoder `spec` names (a callable or "module:callable"), else the stand-in for `tokenizer`."""
+    if spec is not None:
+        return load_callable(spec, "--vocoder")
+    if tokenizer is None:
+        raise ValueError("no vocoder: give --vocoder module:callable, or --tokenizer for the k-means stand-in")
+    return KMeansVocoder(tokenizer)
+
+
+def write_wav(path, waveform: np.ndarray, sample_rate: int) -> Path:
+    """16-bit mono PCM WAV (the standard library's `wave`), written to a temporary file and renamed."""
+    pcm = (np.clip(np.asarray(waveform, dtype=np.float32), -1.0, 1.0) * 32767).astype("<i2")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path, "wb") as f:
+        with wave.open(f, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(int(sample_rate))
+            w.writeframes(pcm.tobytes())
+    return path
+
+
+def read_wav(path) -> tuple[np.ndarray, int]:
+    """(float32 waveform in [-1, 1], sample rate) of a 16-bit mono WAV."""
+    with wave.open(str(path), "rb") as w:
+        if w.getsampwidth() != 2 or w.getnchannels() != 1:
+            raise ValueError(f"{path}: not 16-bit mono PCM")
+        data = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+        return data.astype(np.float32) / 32767, w.getframerate()

@@ -1,0 +1,173 @@
+"""The bench's scores on audio: every utterance and every prompt's reference through one vocoder, scored for
+WER, SIM and MOS after decoding (echospec.tools.audio.scorers), summarised beside the speed, and the paper's table.
+
+For each system: each score's mean with a 95% bootstrap interval, and its change against the system's baseline
+paired by utterance (`wer_change`, ...). The floor: the same scores of the reference tokens through the same
+vocoder and scorers, what the stand-ins can resolve at best.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..audio import quality_missing
+from .harness import BenchError
+from .quality import bootstrap_ci, difference_ci
+
+MEASURES = ("wer", "sim", "mos")
+REFERENCE = "reference"  # the floor's name in the report and the folder of its WAVs
+
+
+def wav_name(prompt_id: str, round_: int) -> str:
+    return f"{prompt_id}.wav" if round_ == 0 else f"{prompt_id}-r{round_}.wav"
+
+
+def score_audio(report: dict, prompts, speech, setup, out_dir=None, audio_dir=None, workers: int = 2,
+                progress: bool = True) -> None:
+    """Vocode and score every utterance of `report` and each prompt's reference; add the scores to the
+    utterances' rows, each system's summary and `report["floor"]`. Cached in out_dir/audio_scores.jsonl."""
+    from ..audio.scorers import ScoreCache, scoring_pool
+
+    missing = quality_missing()
+    if missing is not None:
+        raise BenchError(f"scores on audio need the quality extra ({missing} is not installed): "
+                         "pip install -e '.[quality]' in a checkout")
+    cache = ScoreCache(None if out_dir is None else Path(out_dir) / "audio_scores.jsonl")
+    folder = None if audio_dir is None else Path(audio_dir)
+
+    def wav(system: str, prompt_id: str, round_: int = 0):
+        return None if folder is None else str(folder / system / wav_name(prompt_id, round_))
+
+    with scoring_pool(setup, workers) as pool:
+        floor = _score_references_then_outputs(report, prompts, speech, setup, cache, pool, wav, progress)
+    summarise_audio(report, floor, prompts)
+
+
+def _score_references_then_outputs(report, prompts, speech, setup, cache, pool, wav, progress):
+    """Each prompt's reference first (SIM compares every output with its reference's embedding), then every
+    utterance; adds the scores to the utterances' rows. Returns the references' results by prompt id."""
+    from ..audio.scorers import Job, job_key, score_all
+
+    by_id = {p.id: p for p in prompts}
+    references = {p.id: Job(job_key(setup, p.reference, p.text, None), tuple(p.reference), p.text, None,
+                            wav(REFERENCE, p.id)) for p in prompts if p.reference}
+    scored = score_all(list(references.values()), pool, cache, progress)
+    floor = {prompt_id: scored[job.key] for prompt_id, job in references.items()}
+    embedding = {prompt_id: result.get("embedding") for prompt_id, result in floor.items()}
+    jobs, placed = [], []
+    for system, rows in report["utterances"].items():
+        for row in rows:
+            tokens = tuple(speech.to_local(row["tokens"]))
+            reference = embedding.get(row["prompt"])
+            reference = None if reference is None else tuple(reference)
+            if not tokens:
+                row["audio_errors"] = {"vocoder": "no speech tokens"}
+                continue
+            text = by_id[row["prompt"]].text
+            jobs.append(Job(job_key(setup, tokens, text, reference), tokens, text, reference,
+                            wav(system, row["prompt"], row["round"])))
+            placed.append(row)
+    results = score_all(jobs, pool, cache, progress)
+    for row, job in zip(placed, jobs):
+        result = results[job.key]
+        row.update({m: result[m] for m in MEASURES} | {"transcript": result.get("transcript")})
+        if job.reference_embedding is None:
+            row["sim"] = None  # no reference audio to compare the voice with
+        if result["errors"]:
+            row["audio_errors"] = result["errors"]
+    report["audio"] = setup.names()
+    return floor
+
+
+def summarise_audio(report: dict, floor: dict, prompts) -> None:
+    """Each system's WER, SIM and MOS (mean, 95% interval), their change against its baseline paired by
+    utterance, how many utterances a scorer failed on; the floor's scores."""
+    systems, utterances = report["systems"], report["utterances"]
+    for name, entry in systems.items():
+        rows, base = utterances[name], utterances[entry["baseline"]]
+        for measure in MEASURES:
+            values = [r.get(measure) for r in rows]
+            scored = [v for v in values if v is not None]
+            entry[measure] = bootstrap_ci(scored).to_dict() | {"utterances": len(scored)} if scored else None
+            if entry["baseline"] != name:
+                pairs = [(v, b.get(measure)) for v, b in zip(values, base)
+                         if v is not None and b.get(measure) is not None]
+                entry[f"{measure}_change"] = (difference_ci(*zip(*pairs)).to_dict() | {"utterances": len(pairs)}
+                                              if pairs else None)
+        failed = [{"prompt": r["prompt"], "round": r["round"], "errors": r["audio_errors"]}
+                  for r in rows if r.get("audio_errors")]
+        entry["audio_failures"] = failed
+    report["floor"] = {measure: _mean([r[measure] for r in floor.values()]) for measure in ("wer", "mos")}
+    report["floor"]["sim"] = _mean(same_voice_similarity(floor, prompts))
+    report["floor"]["failures"] = {prompt_id: r["errors"] for prompt_id, r in floor.items() if r["errors"]}
+    report["floor"]["utterances"] = len(floor)
+
+
+def _mean(values) -> dict | None:
+    scored = [v for v in values if v is not None]
+    return bootstrap_ci(scored).to_dict() | {"utterances": len(scored)} if scored else None
+
+
+def same_voice_similarity(floor: dict, prompts) -> list[float]:
+    """SIM's floor: each reference against the next reference of the same speaker (another sentence in the same
+    voice, through the same vocoder), since a reference against itself is 1 by definition."""
+    import numpy as np
+
+    by_speaker = {}
+    for p in prompts:
+        if floor.get(p.id, {}).get("embedding") is not None:
+            by_speaker.setdefault(p.speaker, []).append(np.asarray(floor[p.id]["embedding"]))
+    cosines = []
+    for embeddings in by_speaker.values():
+        for a, b in zip(embeddings, embeddings[1:]):
+            cosines.append(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
+    return cosines
+
+
+def _score(entry: dict | None, measure: str, scale: float = 1.0, digits: int = 2) -> str:
+    value = (entry or {}).get(measure)
+    return "-" if not value else f"{scale * value['mean']:.{digits}f}"
+
+
+def _change(entry: dict, measure: str, scale: float = 1.0, digits: int = 2) -> str:
+    change = entry.get(f"{measure}_change")
+    if not change:
+        return "-"
+    low, high = (scale * c for c in change["ci95"])
+    return f"{scale * change['mean']:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+
+
+def paper_table(report: dict, full: bool = False, systems=None) -> str:
+    """The retrieval paper's table: system, SIM, WER, MOS, LM-RTF, TPT (ms/token), speed-up, tokens/forward;
+    the floor first. `full` adds each score's change against the baseline with its 95% interval."""
+    entries = report["systems"]
+    names = [n for n in (systems or entries) if n in entries]
+    header = (f"  {'system':34} {'SIM':>6} {'WER %':>6} {'MOS':>5} {'LM-RTF':>6} {'TPT ms':>7} {'speed-up':>8} "
+              f"{'tok/fwd':>7}")
+    if full:
+        header += f"  {'SIM change':>22} {'WER change (points)':>22} {'MOS change':>22}"
+    floor = report.get("floor")
+    lines = ["The paper's table (SIM: speaker cosine x100; WER: % of words; MOS: DNSMOS P.808 unless replaced):",
+             header]
+    if floor:
+        lines.append(f"  {'floor: reference tokens, vocoded':34} {_score(floor, 'sim', 100, 1):>6} "
+                     f"{_score(floor, 'wer', 100, 1):>6} {_score(floor, 'mos'):>5} {'-':>6} {'-':>7} {'-':>8} "
+                     f"{'-':>7}")
+    for name in names:
+        s = entries[name]
+        line = (f"  {name:34} {_score(s, 'sim', 100, 1):>6} {_score(s, 'wer', 100, 1):>6} {_score(s, 'mos'):>5} "
+                f"{s['lm_rtf']:6.3f} {s['time_per_token_ms']['median']:7.2f} {s['speedup']:7.2f}x "
+                f"{s['tokens_per_forward']:7.2f}")
+        if full:
+            line += f"  {_change(s, 'sim', 100, 1):>22} {_change(s, 'wer', 100, 1):>22} {_change(s, 'mos'):>22}"
+        lines.append(line)
+    failures = sum(len(entries[n].get("audio_failures", ())) for n in names)
+    if failures:
+        lines.append(f"  ({failures} utterances had a scorer fail; bench.json's audio_failures say which and why)")
+    return "\n".join(lines)
+
+
+def has_audio_scores(report: dict) -> bool:
+    return "floor" in report
