@@ -18,7 +18,8 @@ from .cost import CostCurve
 from .errors import DecoderInputError, UnsupportedModelError
 from .generate import HF_CUSTOM_GENERATE_DIR, GenerationResult, generate, hf_generate, stream
 from .prepack import prepack
-from .policies import ExactGreedy, ExactSampling, Filtered, Policy, SimilarityGroups, Tolerance, VerifiedTree
+from .policies import (ExactGreedy, ExactSampling, Filtered, GroupRejection, Policy, SimilarityGroups, Tolerance,
+                       VerifiedTree)
 from .sampling import RAS, NodeState, Sampler
 from .session import GenerationStats, SpeculativeSession, check_model
 from .vocab import SpeechVocab
@@ -26,7 +27,8 @@ from .vocab import SpeechVocab
 __all__ = [
     "generate", "stream", "hf_generate", "HF_CUSTOM_GENERATE_DIR", "GenerationResult", "GenerationStats",
     "SpeculativeSession", "check_model", "prepack",
-    "Policy", "ExactGreedy", "ExactSampling", "Filtered", "Tolerance", "SimilarityGroups", "VerifiedTree",
+    "Policy", "ExactGreedy", "ExactSampling", "Filtered", "Tolerance", "SimilarityGroups", "GroupRejection",
+    "VerifiedTree",
     "Sampler", "RAS", "NodeState", "SpeechVocab", "CostCurve",
     "NodeBudget", "FixedBudget", "AdaptiveBudget", "CapRates", "NODES",
     "DecoderInputError", "UnsupportedModelError",

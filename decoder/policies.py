@@ -175,14 +175,10 @@ class Tolerance(Policy):
     def choose(self, logits, child_tokens, state):
         if not child_tokens:  # q itself, drawn as autoregressive sampling draws it, at its cost
             return None, self.sampler.sample(logits, state, self.generator)
-        q = self.sampler.distribution(logits, state).clone()
-        stops = list(state.stop_ids)
-        if stops:  # the end of speech is decided exactly; the rule then runs on q without the stop tokens
-            p_stop = float(q[stops].sum())
-            if p_stop > 0 and float(torch.rand(1, generator=self.generator)) < p_stop:
-                return None, stops[int(torch.multinomial(q[stops], 1, generator=self.generator))]
-            q[stops] = 0.0
-            q = q / q.sum()
+        stop, q = decide_stop(self.sampler.distribution(logits, state), state.stop_ids, self.generator)
+        if stop is not None:
+            return None, stop
+        q = q.clone()
         for i in sorted(range(len(child_tokens)), key=lambda i: -float(q[child_tokens[i]])):
             token = child_tokens[i]
             if float(torch.rand(1, generator=self.generator)) < float(q[token]) + self.beta:
@@ -192,13 +188,112 @@ class Tolerance(Policy):
         return None, int(torch.multinomial(q, 1, generator=self.generator))
 
 
+class TokenGroups:
+    """Overlapping acoustic-similarity groups over a vocabulary, one group per token: token c's group is every
+    token whose embedding has cosine similarity >= `threshold` with c's (c itself always included). Cosine is
+    symmetric, so u is in c's group exactly when c is in u's: u belongs to len(group(u)) groups.
+
+    `embed` maps ids to embedding rows (the target's LM head, or given embeddings). Groups are found as they
+    are needed and kept: the first search normalises the whole table once (vocabulary x hidden floats).
+    """
+
+    def __init__(self, embed: Callable[[torch.Tensor], torch.Tensor], threshold: float):
+        self.embed, self.threshold = embed, threshold
+        self._unit: torch.Tensor | None = None
+        self._members: dict[int, torch.Tensor] = {}
+
+    def similarity(self, ids: Sequence[int], token: int) -> torch.Tensor:
+        """Cosine similarity of each of `ids` with `token`."""
+        vectors = torch.nn.functional.normalize(self.embed(torch.tensor([*ids, token])).float(), dim=-1)
+        return vectors[:-1] @ vectors[-1]
+
+    def members(self, tokens: Sequence[int], vocab_size: int) -> list[torch.Tensor]:
+        """The ids in each token's group, ascending."""
+        missing = [t for t in dict.fromkeys(tokens) if t not in self._members]
+        if missing:
+            if self._unit is None or len(self._unit) != vocab_size:
+                self._unit = torch.nn.functional.normalize(self.embed(torch.arange(vocab_size)).float(), dim=-1)
+            near = (self._unit[missing] @ self._unit.T) >= self.threshold
+            near[torch.arange(len(missing)), missing] = True
+            for token, row in zip(missing, near):
+                self._members[token] = torch.nonzero(row)[:, 0]
+        return [self._members[t] for t in tokens]
+
+
+def decide_stop(q: torch.Tensor, stop_ids: Sequence[int], generator) -> tuple[int | None, torch.Tensor]:
+    """The end of speech, decided exactly: a stop token drawn with its own probability under q, else None
+    and q without the stop tokens, renormalised (the relaxed rule then runs on that)."""
+    stops = list(stop_ids)
+    if not stops:
+        return None, q
+    p_stop = float(q[stops].sum())
+    if p_stop > 0 and float(torch.rand(1, generator=generator)) < p_stop:
+        return stops[int(torch.multinomial(q[stops], 1, generator=generator))], q
+    q = q.clone()
+    q[stops] = 0.0
+    return None, q / q.sum()
+
+
+def group_distribution(q: torch.Tensor, groups: TokenGroups) -> tuple[torch.Tensor, torch.Tensor]:
+    """PCG's overlap-aware group distribution: each token's probability split evenly over the groups that hold
+    it, p_G(c) = sum over u in group(c) of q(u) / (groups holding u). Returns (p_G, those counts for every token
+    with q > 0, 0 elsewhere). It sums to 1 because u is in exactly len(group(u)) groups (symmetry)."""
+    vocab = len(q)
+    support = torch.nonzero(q > 0)[:, 0]
+    members = groups.members(support.tolist(), vocab)
+    sizes = torch.tensor([m.shape[0] for m in members])  # (shape, not len: this runs over the whole support)
+    counts = torch.zeros(vocab, dtype=q.dtype)
+    counts[support] = sizes.to(q.dtype)
+    p_group = torch.zeros(vocab, dtype=q.dtype)
+    p_group.index_add_(0, torch.cat(members), (q[support] / counts[support]).repeat_interleave(sizes))
+    return p_group, counts
+
+
+def group_rejection(q: torch.Tensor, child_tokens: Sequence[int], stop_ids: Sequence[int], groups: TokenGroups,
+                    generator) -> tuple[int | None, int, int | None]:
+    """PCG's rule at one position: (index into child_tokens accepted or None, token emitted, its group or None
+    for a stop). Rejection sampling on the group variable, so the group is distributed exactly as p_G.
+
+    A deterministic draft x stands for its groups with q_G = x's mass split evenly over them; a group c is drawn
+    from q_G and x accepted with min(1, p(c) / q_G(c)), p the target's group distribution (p_G at first); on
+    rejection p becomes the normalised residual max(0, p - q_G) and the next child is tried (recursive rejection).
+    When none is accepted, a group is drawn from the residual and a token from it with weights q(u) / (groups
+    holding u), its share of that group. Stop tokens are decided first, exactly, and never accepted as drafts.
+    """
+    stop, q = decide_stop(q, stop_ids, generator)
+    if stop is not None:
+        return None, stop, None
+    vocab = len(q)
+    p_group, counts = group_distribution(q, groups)
+    residual = p_group.clone()  # unnormalised: the target is residual / residual.sum()
+    for i in sorted(range(len(child_tokens)), key=lambda i: -float(q[child_tokens[i]])):
+        token = child_tokens[i]
+        if token in stop_ids:
+            continue
+        own = groups.members([token], vocab)[0]
+        group = int(own[torch.randint(len(own), (1,), generator=generator)])  # c ~ q_G: uniform over x's groups
+        total = float(residual.sum())
+        if float(torch.rand(1, generator=generator)) * total < float(residual[group]) * len(own):
+            return i, token, group
+        residual[own] -= total / len(own)
+        residual.clamp_(min=0.0)
+    if float(residual.sum()) <= 0:  # only rounding empties it: the last child's q_G matched p exactly
+        residual = p_group
+    group = int(torch.multinomial(residual, 1, generator=generator))
+    inside = groups.members([group], vocab)[0]
+    weights = q[inside] / counts[inside].clamp(min=1.0)
+    return None, int(inside[torch.multinomial(weights, 1, generator=generator)]), group
+
+
 class SimilarityGroups(Policy):
-    """PCG's coarse-grained acceptance (relaxed): accept a child whose similarity group holds the sampled token.
+    """PCG's coarse-grained acceptance, simplified (relaxed): accept a child whose similarity group holds the
+    sampled token.
 
     A token's group is every token whose target embedding (the LM head's row, unless `embeddings` is
-    given) has cosine similarity >= `threshold` with it; groups overlap. The target samples a token
+    given) has cosine similarity >= `threshold` with it; groups overlap (TokenGroups). The target samples a token
     with `sampler`; the child with that token wins, else the most similar child in the token's group.
-    Trades: an accepted child may differ from the sampled token, only within its acoustic neighbourhood.
+    Trades: an accepted child may differ from the sampled token, only within its acoustic neighbourhood; the
+    groups emitted are not distributed as the target's (GroupRejection's are).
     """
 
     exact = False
@@ -207,23 +302,47 @@ class SimilarityGroups(Policy):
                  embeddings: torch.Tensor | None = None, seed: int | torch.Generator | None = None):
         super().__init__(seed=seed)
         self.threshold = threshold
-        self.sampler = _sampler("SimilarityGroups", sampler, Sampler())
-        self.embed = None if embeddings is None else (lambda ids: embeddings[ids])
+        self.sampler = _sampler(type(self).__name__, sampler, Sampler())
+        self.groups = None if embeddings is None else TokenGroups(lambda ids: embeddings[ids], threshold)
         self._own_embeddings = embeddings is not None
 
     def bind(self, embed):
         if not self._own_embeddings:
-            self.embed = embed
+            self.groups = None if embed is None else TokenGroups(embed, self.threshold)
+
+    def _groups(self) -> TokenGroups:
+        if self.groups is None:
+            raise ValueError(f"{type(self).__name__} needs embeddings: pass them, or use it via "
+                             f"generate/SpeculativeSession")
+        return self.groups
 
     def choose(self, logits, child_tokens, state):
         token = self.sampler.sample(logits, state, self.generator)
         if not child_tokens or token in child_tokens or token in state.stop_ids:  # a stop has no substitute
             return _match(child_tokens, token), token
-        if self.embed is None:
-            raise ValueError("SimilarityGroups needs embeddings: pass them, or use it via generate/SpeculativeSession")
-        vectors = torch.nn.functional.normalize(self.embed(torch.tensor(child_tokens + [token])).float(), dim=-1)
-        similarity = vectors[:-1] @ vectors[-1]
+        similarity = self._groups().similarity(child_tokens, token)
         best = int(torch.argmax(similarity))
         if float(similarity[best]) >= self.threshold:
             return best, child_tokens[best]
         return None, token
+
+
+class GroupRejection(SimilarityGroups):
+    """PCG done exactly (relaxed at the token level, exact at the group level): rejection sampling on the
+    overlapping acoustic-similarity groups (SimilarityGroups' groups, `threshold`), so the sequence of groups
+    emitted is distributed exactly as the target's overlap-aware group distribution p_G (`group_rejection`).
+
+    Trades: an accepted draft stands in for a group the target would have chosen with the same probability, so
+    tokens within a group are interchangeable; with threshold above every off-diagonal cosine each group is one
+    token and this is exact sampling. The end of speech is decided exactly. Where a step has no draft it draws
+    the sampler's own token, as autoregressive sampling does.
+    """
+
+    exact = False
+
+    def choose(self, logits, child_tokens, state):
+        if not child_tokens:
+            return None, self.sampler.sample(logits, state, self.generator)
+        q = self.sampler.distribution(logits, state)
+        pick, token, _ = group_rejection(q, child_tokens, state.stop_ids, self._groups(), self.generator)
+        return pick, token

@@ -8,8 +8,8 @@ import pytest
 import torch
 from decoder_testing import chi_square_p, tiny_model
 
-from echospec.decoder import (RAS, ExactGreedy, ExactSampling, Filtered, NodeState, Sampler, SimilarityGroups,
-                              SpeechVocab, Tolerance, VerifiedTree, generate)
+from echospec.decoder import (RAS, ExactGreedy, ExactSampling, Filtered, GroupRejection, NodeState, Sampler,
+                              SimilarityGroups, SpeechVocab, Tolerance, VerifiedTree, generate)
 from echospec.retriever import CandidateTree
 
 VOCAB = 16
@@ -164,7 +164,8 @@ def test_relaxed_policies_accept_at_least_as_much_as_exact_ones():
     policies = {"exact": ExactSampling(Sampler(), seed=0), "greedy": ExactGreedy(),
                 "filtered": Filtered(tau=4, sampler=Sampler(), win_size=1, tau_r=1.0, seed=0),
                 "tolerance": Tolerance(Sampler(), beta=0.3, seed=0),
-                "similarity": SimilarityGroups(Sampler(), threshold=0.5, embeddings=embeddings, seed=0)}
+                "similarity": SimilarityGroups(Sampler(), threshold=0.5, embeddings=embeddings, seed=0),
+                "pcg": GroupRejection(Sampler(), threshold=0.5, embeddings=embeddings, seed=0)}
     accepted = Counter()
     for _ in range(300):
         logits = torch.randn(VOCAB, generator=generator) * 2
@@ -172,7 +173,7 @@ def test_relaxed_policies_accept_at_least_as_much_as_exact_ones():
         tree, _ = verified(logits, sequences)
         for name, policy in policies.items():
             accepted[name] += len(policy.walk(tree)[0])
-    for relaxed in ("filtered", "tolerance", "similarity"):
+    for relaxed in ("filtered", "tolerance", "similarity", "pcg"):
         assert accepted[relaxed] > accepted["exact"], accepted
 
 
@@ -190,13 +191,13 @@ def test_relaxed_policies_decide_the_end_of_speech_exactly(name):
     assert abs(stopped / n - 0.3) < 0.05, stopped / n  # sd 0.01: the target's own stop probability
 
 
-@pytest.mark.parametrize("name", ["filtered", "tolerance", "similarity"])
+@pytest.mark.parametrize("name", ["filtered", "tolerance", "similarity", "pcg"])
 def test_relaxed_policies_without_a_tree_draw_what_autoregressive_sampling_draws(name):
     # a plain step (no retriever, or "auto" choosing 0 nodes) emits, and costs, what autoregressive sampling does
     model = tiny_model("llama", "sdpa", VOCAB, seed=3, sharpen=2.0)
     sampler, speech = SAMPLERS["ras"](), SpeechVocab(0, VOCAB, (5,))
     policy = {"filtered": Filtered(tau=4, sampler=sampler), "tolerance": Tolerance(sampler, beta=0.3),
-              "similarity": SimilarityGroups(sampler, threshold=0.5)}[name]
+              "similarity": SimilarityGroups(sampler, threshold=0.5), "pcg": GroupRejection(sampler, threshold=0.5)}[name]
     for seed in range(5):
         options = dict(input_ids=[3, 9, 4, 1, 12], speech=speech, seed=seed, max_new_tokens=30)
         reference = generate(model, None, policy=ExactSampling(sampler), **options)

@@ -26,7 +26,7 @@ from typing import Callable
 
 from ...datastore.files import atomic_file
 
-POLICIES = ("exact-greedy", "exact-sampling", "filtered", "tolerance", "similarity")
+POLICIES = ("exact-greedy", "exact-sampling", "filtered", "tolerance", "similarity", "pcg")
 DTYPES = ("float32", "bfloat16", "float16")
 PAPER_TAU_SHARE = 512 / 6561
 """The retrieval paper's filtered acceptance used tau = 512 on CosyVoice 2's 6561 speech tokens; the
@@ -186,7 +186,7 @@ class RelaxedSettings:
 def make_policy(name: str, seed: int, relaxed: RelaxedSettings, sampler=None):
     """The policy called `name` (one of POLICIES), sampling with `sampler` (default RAS) from `seed` where it
     samples."""
-    from ...decoder import RAS, ExactGreedy, ExactSampling, Filtered, SimilarityGroups, Tolerance
+    from ...decoder import RAS, ExactGreedy, ExactSampling, Filtered, GroupRejection, SimilarityGroups, Tolerance
 
     sampler = sampler or RAS()
     factories = {
@@ -195,6 +195,7 @@ def make_policy(name: str, seed: int, relaxed: RelaxedSettings, sampler=None):
         "filtered": lambda: Filtered(tau=relaxed.tau, sampler=sampler, seed=seed),
         "tolerance": lambda: Tolerance(beta=relaxed.beta, sampler=sampler, seed=seed),
         "similarity": lambda: SimilarityGroups(threshold=relaxed.similarity, sampler=sampler, seed=seed),
+        "pcg": lambda: GroupRejection(threshold=relaxed.similarity, sampler=sampler, seed=seed),
     }
     if name not in factories:
         raise BenchError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

@@ -65,7 +65,7 @@ full_option = click.option("--full", is_flag=True, help="Print the full table (e
               help="Filtered: top-tau.")
 @click.option("--beta", default=0.2, show_default=True, type=click.FloatRange(0, 1), help="Tolerance's beta.")
 @click.option("--similarity", default=0.3, show_default=True, type=click.FloatRange(-1, 1),
-              help="SimilarityGroups' cosine threshold.")
+              help="SimilarityGroups' and GroupRejection's (pcg) cosine threshold.")
 @click.option("--sweep", "sweeps", multiple=True, metavar="KNOB=V1,V2,...",
               help="A relaxed policy's knob to sweep for the speed-quality frontier (repeatable): tau (filtered), "
                    "beta (tolerance), threshold (similarity, pcg); writes frontier.md/.json/.png.")
