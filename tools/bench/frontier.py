@@ -94,10 +94,11 @@ def frontier(report: dict) -> dict:
             points = []
             for name in names:
                 entry = systems[name]
-                setting = name.rpartition("=")[2] if "=" in name else f"{relaxed.get(field)} (the bench's default)"
+                setting = name.rpartition("=")[2] if "=" in name else str(relaxed.get(field))
                 measures = {m: _measure(entry, baseline, m) for m in MEASURES}
                 measures = {m: v for m, v in measures.items() if v is not None}
-                points.append({"system": name, "setting": setting, "speedup": entry["speedup"],
+                points.append({"system": name, "setting": setting, "default": "=" not in name,
+                               "speedup": entry["speedup"],
                                "speedup_ci95": entry["speedup_ci95"], "speedup_paired": entry["speedup_paired"],
                                "tokens_per_forward": entry["tokens_per_forward"], "measures": measures,
                                "inside": all(v["inside"] for v in measures.values())})
@@ -114,11 +115,10 @@ def frontier(report: dict) -> dict:
 def choose(points: list[dict], measures: list[str]) -> dict:
     """{"chosen": the fastest point inside and >= MIN_SPEEDUP (or None), "note": why, "missing": measures no
     point had}."""
-    swept = [p for p in points if "default" not in p["setting"]]
-    missing = [m for m in measures if not any(m in p["measures"] for p in swept)]
-    good = [p for p in swept if p["inside"] and p["speedup"] >= MIN_SPEEDUP]
+    missing = [m for m in measures if not any(m in p["measures"] for p in points)]
+    good = [p for p in points if p["inside"] and p["speedup"] >= MIN_SPEEDUP]
     if not good:
-        inside = [p for p in swept if p["inside"]]
+        inside = [p for p in points if p["inside"]]
         note = ("no setting is both inside the baseline's interval on every measure and >= "
                 f"{MIN_SPEEDUP}x faster" + (f" (inside but slower: {', '.join(p['setting'] for p in inside)})"
                                             if inside else ""))
@@ -185,7 +185,7 @@ def plot_frontier(result: dict, path: Path) -> None:
                       [p["speedup_ci95"][1] - p["speedup"] for p in points]]
             ax.errorbar(xs, ys, yerr=errors, fmt="o-", color=palette(i % 10), capsize=2, label=policy)
             for x, y, p in zip(xs, ys, points):
-                ax.annotate(p["setting"].split(" ")[0], (x, y), xytext=(3, 3), textcoords="offset points",
+                ax.annotate(p["setting"], (x, y), xytext=(3, 3), textcoords="offset points",
                             fontsize=7)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
         ax.axhline(MIN_SPEEDUP, color="tab:red", linewidth=0.8, linestyle="--")

@@ -6,17 +6,21 @@ import json
 from pathlib import Path
 
 from ..corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
-from .load import native_bfloat16
+from ..audio import quality_missing
+from ..audio.listen import listen_page
+from ..corpus.tts_prompt import TTSMeta
+from .load import load_prompts, native_bfloat16
 from .report import format_table
 from .run import bench
 
 
 def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, dtype: str = "float32", full: bool = False,
-         echo=print, progress: bool = True) -> dict:
+         echo=print, progress: bool = True, audio: bool = True) -> dict:
     """Build a general and per-speaker datastore from the sample corpus, show one query, and benchmark
     autoregressive decoding against each acceptance policy on `limit` held-out sentences, in `dtype`
     ("bfloat16" where the CPU computes it natively: AVX512-BF16 or AMX); prints the short table, or the `full` one
-    (bench.md has it either way)."""
+    (bench.md has it either way). With `audio` (and the quality extra), every utterance is also vocoded into
+    out_dir/audio/<system>/, scored (the paper's table) and laid out side by side in out_dir/listen.html."""
     from ...datastore import build
     from ...retriever import Retriever
 
@@ -37,9 +41,19 @@ def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, dtype: str = "f
     if dtype == "bfloat16" and not native_bfloat16():
         echo("Note: this CPU has no native bfloat16 (AVX512-BF16 or AMX); torch emulates it, slower than float32.")
     echo(f"\nSynthesizing {limit} held-out sentences with each system ({dtype}) ...")
+    if audio and quality_missing() is not None:
+        echo(f"Note: no audio ({quality_missing()} is not installed): pip install -e '.[quality]' for WAVs, "
+             "listen.html and the paper's table.")
+        audio = False
+    audio_dir = out_dir / "audio" if audio else None
     report = bench(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS, tokenizer=SAMPLE_TOKENIZER, limit=limit,
-                   threads=threads, dtype=dtype, out_dir=out_dir, progress=progress)
+                   threads=threads, dtype=dtype, out_dir=out_dir, progress=progress, audio_scores=audio,
+                   audio_dir=audio_dir)
     echo(format_table(report, full=full))
     echo(f"\nWrote {out_dir / 'bench.json'}, the full table {out_dir / 'bench.md'} and the plot "
          f"{out_dir / 'bench.png'}")
+    if audio:
+        page = listen_page(report, audio_dir, out_dir / "listen.html",
+                           load_prompts(SAMPLE_PROMPTS, TTSMeta.load(SAMPLE_MODEL_DIR), limit))
+        echo(f"Listen: {page} (the WAVs are in {audio_dir}/<system>/<prompt id>.wav)")
     return report

@@ -3,6 +3,7 @@
     store   build, enroll, info, query   echospec.datastore, echospec.retriever
     serve   serve                        echospec.retriever.service (the service extra)
     bench   bench, demo                  echospec.tools.bench (the bench extra)
+    audio   synthesize                   echospec.tools.audio (the bench and quality extras)
     corpus  make-corpus, train-model     echospec.tools.corpus (train-model: the decoder extra)
 
 Their one-line errors, missing-extra messages and shared options are echospec.tools.commands's, which the
@@ -11,7 +12,7 @@ developer benchmarks use too.
 
 import click
 
-from . import bench, corpus, serve, store
+from . import audio, bench, corpus, serve, store
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,6 +21,6 @@ def main() -> None:
     """Retrieval-based speculative decoding for speech-token TTS language models."""
 
 
-for _group in (store, serve, bench, corpus):
+for _group in (store, serve, bench, audio, corpus):
     for _command in _group.COMMANDS:
         main.add_command(_command)

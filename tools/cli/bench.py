@@ -123,13 +123,16 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
 @threads_option
 @dtype_option(help="bfloat16 where the CPU computes it natively (AVX512-BF16, AMX); else it is emulated, slowly.")
 @full_option
+@click.option("--audio/--no-audio", default=True, show_default=True,
+              help="Vocode every utterance, score WER, SIM and MOS, and write listen.html (the quality extra).")
 @needs_extra("bench")
 @fail_cleanly
-def demo_command(out_dir, limit, threads, dtype, full):
-    """The embedded default: build stores from the shipped sample, query, and benchmark every policy."""
+def demo_command(out_dir, limit, threads, dtype, full, audio):
+    """The embedded default: build stores from the shipped sample, query, benchmark every policy, and write the
+    audio with a page to listen to it."""
     from ..bench import demo
 
-    demo(out_dir=out_dir, limit=limit, threads=threads, dtype=dtype, full=full, echo=click.echo)
+    demo(out_dir=out_dir, limit=limit, threads=threads, dtype=dtype, full=full, echo=click.echo, audio=audio)
 
 
 COMMANDS = (bench_command, demo_command)
