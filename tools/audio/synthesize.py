@@ -13,7 +13,7 @@ def synthesize(text: str, speaker: str, wav, *, policy: str = "exact-sampling", 
                checkpoint=SAMPLE_MODEL_DIR, vocoder=None, tokenizer=None, seed: int = 0, max_new_tokens: int = 400,
                max_nodes: int | None = None, threads: int = 1) -> dict:
     """Speak `text` in `speaker`'s voice with `checkpoint` (an echospec TTS checkpoint: `echospec_tts.json` beside
-    the weights) under `policy` (a bench policy name, its class's settings as the bench's), drafting from `store`
+    the weights) under `policy` (a bench policy name, with its class's defaults), drafting from `store`
     (None: autoregressive steps), and write the audio to `wav` through `vocoder` (a callable or "module:callable";
     default the k-means stand-in of `tokenizer`, the sample's for the sample model). Returns the speech tokens and
     the speed: tokens, seconds, tokens per forward, LM real-time factor, audio seconds."""
@@ -38,7 +38,7 @@ def synthesize(text: str, speaker: str, wav, *, policy: str = "exact-sampling", 
 
         retriever = Retriever(store)
     speech = speech_vocab(meta, None, model)
-    chosen = make_policy(policy, seed, RelaxedSettings.for_vocabulary(speech.size))
+    chosen = make_policy(policy, seed, RelaxedSettings())
     options = {} if max_nodes is None else {"max_nodes": max_nodes}
     result = generate(model, retriever, input_ids=encode_prompt(meta, text, speaker), policy=chosen, speech=speech,
                       speaker=speaker if retriever is not None else None, max_new_tokens=max_new_tokens,

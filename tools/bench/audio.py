@@ -8,6 +8,7 @@ vocoder and scorers, what the stand-ins can resolve at best.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +41,11 @@ def score_audio(report: dict, prompts, speech, setup, out_dir=None, audio_dir=No
     def wav(system: str, prompt_id: str, round_: int = 0):
         return None if folder is None else str(folder / system / wav_name(prompt_id, round_))
 
+    start = time.perf_counter()
     with scoring_pool(setup, workers) as pool:
         floor = _score_references_then_outputs(report, prompts, speech, setup, cache, pool, wav, progress)
     summarise_audio(report, floor, prompts)
+    report["audio"]["seconds"] = time.perf_counter() - start  # workers' start-up, vocoding, scoring, WAVs
 
 
 def _score_references_then_outputs(report, prompts, speech, setup, cache, pool, wav, progress):

@@ -94,7 +94,8 @@ def frontier(report: dict) -> dict:
             points = []
             for name in names:
                 entry = systems[name]
-                setting = name.rpartition("=")[2] if "=" in name else str(relaxed.get(field))
+                setting = (name.rpartition("=")[2] if "=" in name
+                           else "class default" if relaxed.get(field) is None else str(relaxed.get(field)))
                 measures = {m: _measure(entry, baseline, m) for m in MEASURES}
                 measures = {m: v for m, v in measures.items() if v is not None}
                 points.append({"system": name, "setting": setting, "default": "=" not in name,

@@ -6,8 +6,7 @@
 - `warm_up` runs every system once before timing (lazy initialisation, numba compilation, page faults);
   `balanced_order` gives the order of a round (a Williams design): drift on a noisy machine hits all alike,
   and every system follows every other equally often, so what one leaves behind hits all alike too.
-- The relaxed policies' settings scale the retrieval paper's (τ = 512 of 6561) to the vocabulary:
-  `RelaxedSettings`, `make_policy`.
+- The relaxed policies' knobs, where given (else each policy class's defaults): `RelaxedSettings`, `make_policy`.
 - `measure_cost_curve`: the model's forward time against tree size on this machine.
 - `copying_grouped_heads`: sessions made within run tree forwards as transformers does by default (`decoder.gqa`).
 - `pin_threads` pins a run's thread pools (and its child processes'); `save_figure` writes a plot atomically.
@@ -28,9 +27,6 @@ from ...datastore.files import atomic_file
 
 POLICIES = ("exact-greedy", "exact-sampling", "filtered", "tolerance", "similarity", "pcg")
 DTYPES = ("float32", "bfloat16", "float16")
-PAPER_TAU_SHARE = 512 / 6561
-"""The retrieval paper's filtered acceptance used tau = 512 on CosyVoice 2's 6561 speech tokens; the
-same share of a smaller vocabulary keeps the rule's strictness comparable."""
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
@@ -174,13 +170,18 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
 
 @dataclass(frozen=True)
 class RelaxedSettings:
-    tau: int  # Filtered: accept drafts within the target's top-tau
-    beta: float = 0.2  # Tolerance: accept x when r < q(x) + beta
-    similarity: float = 0.3  # SimilarityGroups: cosine threshold of a token's group
+    """The relaxed policies' knobs a run sets; None leaves the policy class's own default, the one place
+    defaults live (decoder/policies.py)."""
 
-    @classmethod
-    def for_vocabulary(cls, size: int, tau=None, beta=0.2, similarity=0.3) -> RelaxedSettings:
-        return cls(tau or max(1, round(PAPER_TAU_SHARE * size)), beta, similarity)
+    tau: int | None = None  # Filtered: accept drafts within the target's top-tau
+    beta: float | None = None  # Tolerance: accept x when r < q(x) + beta
+    similarity: float | None = None  # SimilarityGroups and GroupRejection: cosine threshold of a token's group
+
+    def knobs(self, policy: str) -> dict:
+        """The keyword arguments of `policy`'s class that this run sets."""
+        given = {"filtered": {"tau": self.tau}, "tolerance": {"beta": self.beta},
+                 "similarity": {"threshold": self.similarity}, "pcg": {"threshold": self.similarity}}.get(policy, {})
+        return {k: v for k, v in given.items() if v is not None}
 
 
 def make_policy(name: str, seed: int, relaxed: RelaxedSettings, sampler=None):
@@ -192,10 +193,10 @@ def make_policy(name: str, seed: int, relaxed: RelaxedSettings, sampler=None):
     factories = {
         "exact-greedy": lambda: ExactGreedy(),
         "exact-sampling": lambda: ExactSampling(sampler, seed=seed),
-        "filtered": lambda: Filtered(tau=relaxed.tau, sampler=sampler, seed=seed),
-        "tolerance": lambda: Tolerance(beta=relaxed.beta, sampler=sampler, seed=seed),
-        "similarity": lambda: SimilarityGroups(threshold=relaxed.similarity, sampler=sampler, seed=seed),
-        "pcg": lambda: GroupRejection(threshold=relaxed.similarity, sampler=sampler, seed=seed),
+        "filtered": lambda: Filtered(sampler, seed=seed, **relaxed.knobs("filtered")),
+        "tolerance": lambda: Tolerance(sampler, seed=seed, **relaxed.knobs("tolerance")),
+        "similarity": lambda: SimilarityGroups(sampler, seed=seed, **relaxed.knobs("similarity")),
+        "pcg": lambda: GroupRejection(sampler, seed=seed, **relaxed.knobs("pcg")),
     }
     if name not in factories:
         raise BenchError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

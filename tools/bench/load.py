@@ -27,8 +27,8 @@ class DecodeInputs(NamedTuple):
 
 def decode_inputs(checkpoint, store, prompts, limit: int | None = None, threads: int = 1, device: str = "cpu",
                   dtype: str = "float32", *, speech=None, speech_offset: int | None = None,
-                  vocab_size: int | None = None, stop_ids=(), tau: int | None = None, beta: float = 0.2,
-                  similarity: float = 0.3, with_scorer: bool = False) -> DecodeInputs:
+                  vocab_size: int | None = None, stop_ids=(), tau: int | None = None, beta: float | None = None,
+                  similarity: float | None = None, with_scorer: bool = False) -> DecodeInputs:
     """The model (on `device`, in `dtype`), retriever, speech ids, prompts and relaxed policies' settings for
     `checkpoint`, `store` and `prompts`, with `threads` torch threads; the options as `bench` takes them.
     `with_scorer` also keeps a float32 copy to score with (a second model in memory outside float32)."""
@@ -42,7 +42,7 @@ def decode_inputs(checkpoint, store, prompts, limit: int | None = None, threads:
     retriever = Retriever(store)
     speech = speech or speech_vocab(meta, retriever.datastore, model, speech_offset, vocab_size, stop_ids)
     return DecodeInputs(model, scorer, meta, retriever, speech, load_prompts(prompts, meta, limit),
-                        RelaxedSettings.for_vocabulary(speech.size, tau, beta, similarity))
+                        RelaxedSettings(tau, beta, similarity))
 
 
 def load_model(checkpoint):

@@ -51,7 +51,7 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
           tokenizer=None, policies=POLICIES, stores=("speaker", "general"), max_nodes: int | str | None = None,
           max_depth: int = MAX_DEPTH, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
           limit: int | None = None, rounds: int = 1, max_new_tokens: int = 400, threads: int = 1, seed: int = 0,
-          tau: int | None = None, beta: float = 0.2, similarity: float = 0.3, device: str = "cpu",
+          tau: int | None = None, beta: float | None = None, similarity: float | None = None, device: str = "cpu",
           dtype: str = "float32", out_dir=None, progress: bool = True, sweeps=None, audio_scores: bool | None = None,
           vocoder=None, asr=None, speaker_encoder=None, mos=None, audio_dir=None, scoring_workers: int = 2) -> dict:
     """Decode `prompts` with every system; return (and write to `out_dir`) the report as a dict.

@@ -61,10 +61,9 @@ full_option = click.option("--full", is_flag=True, help="Print the full table (e
               help="Seed of the first utterance; each decodes with this plus its index.")
 @dtype_option(help="Precision every system runs in (log-likelihoods are scored in float32).")
 @device_option()
-@click.option("--tau", type=click.IntRange(1), show_default="512/6561 of the vocabulary, the paper's share",
-              help="Filtered: top-tau.")
-@click.option("--beta", default=0.2, show_default=True, type=click.FloatRange(0, 1), help="Tolerance's beta.")
-@click.option("--similarity", default=0.3, show_default=True, type=click.FloatRange(-1, 1),
+@click.option("--tau", type=click.IntRange(1), show_default="Filtered's own", help="Filtered: top-tau.")
+@click.option("--beta", type=click.FloatRange(0, 1), show_default="Tolerance's own", help="Tolerance's beta.")
+@click.option("--similarity", type=click.FloatRange(-1, 1), show_default="the policy class's own",
               help="SimilarityGroups' and GroupRejection's (pcg) cosine threshold.")
 @click.option("--sweep", "sweeps", multiple=True, metavar="KNOB=V1,V2,...",
               help="A relaxed policy's knob to sweep for the speed-quality frontier (repeatable): tau (filtered), "

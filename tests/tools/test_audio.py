@@ -1,0 +1,151 @@
+"""Audio out and the scores on it: the stand-in vocoder, WER, SIM and MOS, bench --audio, synthesize."""
+
+import json
+import wave
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("pocketsphinx", reason="the quality extra")
+
+from echospec.tools.audio.scorers import (  # noqa: E402
+    DNSMOSPredictor, Job, PocketSphinxASR, ResemblyzerEncoder, ScoreCache, Setup, job_key, score_all, scoring_pool,
+    word_error_rate)
+from echospec.tools.audio.vocoder import KMeansVocoder, read_wav, write_wav  # noqa: E402
+from echospec.tools.cli import main  # noqa: E402
+from echospec.tools.corpus import SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER  # noqa: E402
+
+PROMPTS = [json.loads(line) for line in SAMPLE_PROMPTS.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def vocoder():
+    return KMeansVocoder(SAMPLE_TOKENIZER)
+
+
+def test_reference_tokens_are_heard_better_than_the_same_tokens_shuffled(vocoder):
+    asr, rng = PocketSphinxASR(), np.random.default_rng(0)
+    heard, shuffled = [], []
+    for prompt in PROMPTS[:12]:
+        tokens = prompt["reference_tokens"]
+        heard.append(word_error_rate(prompt["text"], asr(*vocoder(tokens))))
+        shuffled.append(word_error_rate(prompt["text"], asr(*vocoder(rng.permutation(tokens)))))
+    assert np.mean(heard) < np.mean(shuffled)
+
+
+def test_two_sentences_of_one_voice_are_closer_than_two_voices(vocoder):
+    encoder = ResemblyzerEncoder()
+    by_speaker = {}
+    for prompt in PROMPTS:
+        by_speaker.setdefault(prompt["speaker"], []).append(prompt)
+    speakers = [s for s, ps in by_speaker.items() if len(ps) >= 2][:3]
+    embed = {s: [encoder(*vocoder(p["reference_tokens"])) for p in by_speaker[s][:2]] for s in speakers}
+
+    def cosine(a, b):
+        return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+    same = [cosine(*embed[s]) for s in speakers]
+    across = [cosine(embed[a][0], embed[b][0]) for a in speakers for b in speakers if a < b]
+    assert np.mean(same) > np.mean(across)
+    assert min(same) > 0.5
+
+
+def test_mos_is_the_same_twice_and_in_range(vocoder):
+    mos = DNSMOSPredictor()
+    waveform, rate = vocoder(PROMPTS[0]["reference_tokens"])
+    first = mos(waveform, rate)
+    assert first == mos(waveform, rate) and 1.0 <= first <= 5.0
+
+
+def test_a_wav_lasts_its_tokens_over_the_token_rate(vocoder, tmp_path):
+    for prompt in PROMPTS[:3]:
+        tokens = prompt["reference_tokens"]
+        path = write_wav(tmp_path / f"{prompt['id']}.wav", *vocoder(tokens))
+        waveform, rate = read_wav(path)
+        with wave.open(str(path)) as w:
+            assert w.getnchannels() == 1 and w.getsampwidth() == 2 and w.getframerate() == 16000
+        assert abs(len(waveform) / rate - len(tokens) / vocoder.token_rate) <= 1 / vocoder.token_rate
+        assert 0.5 < np.abs(waveform).max() <= 1.0
+    assert np.array_equal(vocoder(PROMPTS[0]["reference_tokens"])[0], vocoder(PROMPTS[0]["reference_tokens"])[0])
+    with pytest.raises(ValueError, match="speech tokens must lie in"):
+        vocoder([0, 512])
+
+
+def test_a_scorer_failing_on_one_utterance_is_reported_for_it_and_the_rest_scored(tmp_path):
+    setup = Setup(tokenizer=str(SAMPLE_TOKENIZER), asr="audio_testing:asr_failing_on_short_audio",
+                  mos="audio_testing:constant_mos")
+    short, long = [75] * 40, PROMPTS[1]["reference_tokens"]  # 1.6 s and 5.9 s
+    jobs = [Job(job_key(setup, t, "a b", None), tuple(t), "a b") for t in (short, long)]
+    cache = ScoreCache(tmp_path / "scores.jsonl")
+    with scoring_pool(setup, 2) as pool:
+        results = score_all(jobs, pool, cache, progress=False)
+    failed, scored = results[jobs[0].key], results[jobs[1].key]
+    assert failed["wer"] is None and "too short for this ASR" in failed["errors"]["asr"]
+    assert failed["mos"] == 3.0 and failed["sim"] == 1.0  # the other scorers still ran
+    assert scored["wer"] == 1.0 and not scored["errors"]
+    assert set(ScoreCache(tmp_path / "scores.jsonl").results) == {jobs[0].key, jobs[1].key}  # resumable
+
+
+@pytest.mark.slow
+def test_bench_audio_writes_one_wav_per_system_and_utterance(tmp_path):
+    from echospec.datastore import build
+    from echospec.tools.corpus import SAMPLE_CORPUS
+
+    store = tmp_path / "store"
+    build(SAMPLE_CORPUS, store, faiss=False, progress=False)
+    out, audio = tmp_path / "bench", tmp_path / "audio"
+    result = CliRunner().invoke(main, [
+        "bench", str(SAMPLE_MODEL_DIR), "--store", str(store), "--prompts", str(SAMPLE_PROMPTS), "--tokenizer",
+        str(SAMPLE_TOKENIZER), "--policy", "exact-sampling", "--stores", "general", "--sweep", "tau=20",
+        "--limit", "2", "--max-new-tokens", "30", "--out", str(out), "--audio", str(audio)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    for name, rows in report["utterances"].items():
+        assert sorted(p.name for p in (audio / name).glob("*.wav")) == sorted(f"{r['prompt']}.wav" for r in rows)
+    assert len(list((audio / "reference").glob("*.wav"))) == 2
+    systems = report["systems"]
+    for name, entry in systems.items():
+        assert {"wer", "sim", "mos"} <= set(entry) and entry["mos"]["utterances"] == 2, name
+    lossless = systems["exact-sampling/general"]
+    assert lossless["identical_to_baseline"] == 1.0
+    assert all(lossless[f"{m}_change"]["mean"] == 0.0 for m in ("wer", "sim", "mos"))
+    assert report["floor"]["wer"] is not None and "The paper's table" in result.output
+    assert "filtered" in report["frontier"]["policies"] and (out / "frontier.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("option, spec, message", [
+    ("--vocoder", "nosuchmodule:decode", "cannot import nosuchmodule"),
+    ("--vocoder", "json", "expected module:callable"),
+    ("--asr", "json:no_such_function", "has no callable no_such_function"),
+    ("--mos", "math:pi", "has no callable pi"),
+])
+def test_a_bad_scorer_or_vocoder_spec_is_a_usage_error(tmp_path, option, spec, message):
+    result = CliRunner().invoke(main, ["bench", str(SAMPLE_MODEL_DIR), "--store", str(tmp_path), "--prompts",
+                                       str(SAMPLE_PROMPTS), option, spec])
+    assert result.exit_code == 2 and message in result.output and option in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_bad_sweep_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(main, ["bench", str(SAMPLE_MODEL_DIR), "--store", str(tmp_path), "--prompts",
+                                       str(SAMPLE_PROMPTS), "--sweep", "gamma=1,2"])
+    assert result.exit_code == 2 and "tau, beta, threshold" in result.output
+    result = CliRunner().invoke(main, ["bench", str(SAMPLE_MODEL_DIR), "--store", str(tmp_path), "--prompts",
+                                       str(SAMPLE_PROMPTS), "--sweep", "tau=ten"])
+    assert result.exit_code == 2 and "tau takes int values" in result.output
+
+
+def test_synthesize_writes_the_wav_and_prints_its_speed(tmp_path):
+    wav_path = tmp_path / "gift.wav"
+    result = CliRunner().invoke(main, ["synthesize", "A gift of a flower will soon be made to you.", "--speaker",
+                                       "flite-slt", "--wav", str(wav_path), "--max-new-tokens", "60"])
+    assert result.exit_code == 0, result.output
+    waveform, rate = read_wav(wav_path)
+    assert "tokens/forward" in result.output and "ms/token" in result.output
+    assert 0 < len(waveform) / rate <= 60 / 25 + 1 / 25
+    result = CliRunner().invoke(main, ["synthesize", "hello", "--speaker", "flite-slt", "--wav", str(wav_path),
+                                       "--vocoder", "nosuch:decode"])
+    assert result.exit_code == 2 and "cannot import nosuch" in result.output
+    result = CliRunner().invoke(main, ["synthesize", "hello", "--speaker", "nobody", "--wav", str(tmp_path / "x.wav")])
+    assert result.exit_code == 1 and "unknown speaker" in result.output and not (tmp_path / "x.wav").exists()
