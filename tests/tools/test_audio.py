@@ -149,3 +149,24 @@ def test_synthesize_writes_the_wav_and_prints_its_speed(tmp_path):
     assert result.exit_code == 2 and "cannot import nosuch" in result.output
     result = CliRunner().invoke(main, ["synthesize", "hello", "--speaker", "nobody", "--wav", str(tmp_path / "x.wav")])
     assert result.exit_code == 1 and "unknown speaker" in result.output and not (tmp_path / "x.wav").exists()
+
+
+def test_the_listening_page_puts_each_prompt_s_reference_and_systems_side_by_side(tmp_path):
+    from echospec.tools.audio.listen import listen_page
+    from echospec.tools.bench.harness import Prompt
+
+    audio = tmp_path / "audio"
+    for folder in ("reference", "ar-sampling", "filtered/speaker"):
+        write_wav(audio / folder / "p1.wav", np.zeros(1600), 16000)
+    row = {"prompt": "p1", "round": 0, "wer": 0.5, "sim": 0.9, "mos": 2.5, "time_per_token": 0.002,
+           "transcript": "a <b>"}
+    report = {"systems": {"ar-sampling": {}, "filtered/speaker": {}, "filtered/speaker/tau=20": {}},
+              "utterances": {"ar-sampling": [row], "filtered/speaker": [row | {"audio_errors": {"asr": "boom"}}],
+                             "filtered/speaker/tau=20": [row]},
+              "floor": {"wer": {"mean": 0.9}, "prompts": {"p1": {"wer": 0.9, "mos": 2.6, "transcript": "x"}}}}
+    page = listen_page(report, audio, tmp_path / "listen.html", [Prompt("p1", "v", [1], text="Say <this>.")])
+    text = page.read_text()
+    assert text.count("<audio controls") == 3 and "tau=20" not in text  # sweeps left out by default
+    assert 'src="audio/filtered/speaker/p1.wav"' in text and "Say &lt;this&gt;." in text and "a &lt;b&gt;" in text
+    assert "WER 50%, SIM 0.900, MOS 2.50, 2.00 ms/token" in text and "failed: asr: boom" in text
+    assert "WER 90%, MOS 2.60" in text  # the reference's own scores

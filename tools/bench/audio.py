@@ -106,6 +106,8 @@ def summarise_audio(report: dict, floor: dict, prompts) -> None:
     report["floor"]["sim"] = _mean(same_voice_similarity(floor, prompts))
     report["floor"]["failures"] = {prompt_id: r["errors"] for prompt_id, r in floor.items() if r["errors"]}
     report["floor"]["utterances"] = len(floor)
+    report["floor"]["prompts"] = {prompt_id: {m: r.get(m) for m in ("wer", "mos", "transcript")}
+                                  for prompt_id, r in floor.items()}
 
 
 def _mean(values) -> dict | None:

@@ -57,5 +57,5 @@ def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, dtype: str = "f
                            load_prompts(SAMPLE_PROMPTS, TTSMeta.load(SAMPLE_MODEL_DIR), limit))
         utterances = sum(map(len, report["utterances"].values()))
         echo(f"Listen: {page} (the WAVs are in {audio_dir}/<system>/<prompt id>.wav; {utterances} utterances and "
-             f"{limit} references vocoded and scored in {report['audio']['seconds']:.0f} s after decoding)")
+             f"their references vocoded and scored in {report['audio']['seconds']:.0f} s after decoding)")
     return report
