@@ -178,7 +178,7 @@ def plot_frontier(result: dict, path: Path) -> None:
                        label="ar-sampling 95% interval")
             ax.axvline(scale * band["mean"], color="black", linewidth=1)
         for i, (policy, found) in enumerate(result["policies"].items()):
-            points = sorted((p for p in found["points"] if measure in p["measures"]), key=lambda p: p["speedup"])
+            points = sorted((p for p in found["points"] if measure in p["measures"]), key=_knob_order)
             scale = 100 if measure == "wer" else 1
             xs = [scale * p["measures"][measure]["value"] for p in points]
             ys = [p["speedup"] for p in points]
@@ -194,6 +194,14 @@ def plot_frontier(result: dict, path: Path) -> None:
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, path)
+
+
+def _knob_order(point: dict) -> float:
+    """A point's place on its policy's line: its knob's value (the class default, unknown here, last)."""
+    try:
+        return float(point["setting"])
+    except ValueError:
+        return float("inf")
 
 
 def write_frontier(result: dict, out_dir: Path) -> None:
