@@ -14,7 +14,7 @@ from ..corpus import SAMPLE_MODEL_DIR
 @click.option("--speaker", required=True, help="A voice the checkpoint knows (the sample: flite-slt, espeak-en-us-m3, ...).")
 @click.option("--wav", required=True, type=click.Path(dir_okay=False), help="The WAV file to write.")
 @click.option("--policy", default="exact-sampling", show_default=True, type=click.Choice(POLICIES),
-              help="Acceptance policy (its class's settings, as bench's).")
+              help="Acceptance policy, with its class's defaults.")
 @click.option("--store", type=click.Path(exists=True, file_okay=False),
               help="Datastore to draft from (without one: autoregressive steps).")
 @click.option("--checkpoint", default=str(SAMPLE_MODEL_DIR), show_default="the shipped sample model",
