@@ -655,3 +655,31 @@ def finish(conts, stats, weights, max_nodes):
             wprob[r] = weights[s] * stats[s, MATCH] / total
             src[r] = s
     return build_tree(conts, n_rows, wcount, wprob, src, max_nodes)
+
+
+@njit(cache=True, nogil=True)
+def best_chain(parents, probs, token_cost):
+    """Node indices of the root path maximising sum(probs - token_cost), stopping anywhere (empty when
+    no node's prob exceeds token_cost). Nodes are in topological order; ties keep the earlier node
+    (the retriever orders siblings by count)."""
+    n = parents.shape[0]
+    below = np.zeros(n)  # the best gain of going on below node i (0: stop at i)
+    next_node = np.full(n, -1, np.int64)
+    root_gain, first = 0.0, -1
+    for i in range(n - 1, -1, -1):
+        gain = probs[i] - token_cost + below[i]
+        if gain <= 0.0:
+            continue
+        p = parents[i]
+        if p < 0:
+            if gain >= root_gain:
+                root_gain, first = gain, i
+        elif gain >= below[p]:
+            below[p], next_node[p] = gain, i
+    chain = np.empty(n, np.int64)
+    length, node = 0, first
+    while node >= 0:
+        chain[length] = node
+        length += 1
+        node = next_node[node]
+    return chain[:length]

@@ -73,6 +73,31 @@ def _echospec_imports(path: Path) -> set[str]:
     return {name for name in found if name.startswith("echospec.")}
 
 
+# retriever/'s rooms -> the rooms of it each may import: the core (the package's own modules) serves them all; the
+# HTTP client is one room, the service another and the engine adapters a third, none importing a sibling's code but
+# the client's (the wire format the service answers in; the RemoteRetriever an engine may draft from)
+RETRIEVER_ROOMS = {"core": {"core"}, "client": {"core", "client"}, "service": {"core", "client", "service"},
+                   "engines": {"core", "client", "engines"}}
+DOCUMENTED_PATHS = {"retriever/remote.py": "client", "retriever/vllm_proposer.py": "engines"}  # re-exports
+
+
+def _retriever_room(parts: tuple[str, ...]) -> str:
+    return parts[0] if len(parts) > 1 and parts[0] in RETRIEVER_ROOMS else "core"
+
+
+def test_retriever_rooms_import_only_what_they_may():
+    wrong = {}
+    for path in (ROOT / "retriever").rglob("*.py"):
+        name = str(path.relative_to(ROOT))
+        room = DOCUMENTED_PATHS.get(name) or _retriever_room(path.relative_to(ROOT / "retriever").parts)
+        used = {_retriever_room(tuple(n.split(".")[2:]) + ("",)) for n in _echospec_imports(path)
+                if n.startswith("echospec.retriever")}
+        if used - RETRIEVER_ROOMS[room]:
+            wrong[name] = sorted(used - RETRIEVER_ROOMS[room])
+    assert wrong == {}
+    assert set(DOCUMENTED_PATHS) <= {str(p.relative_to(ROOT)) for p in (ROOT / "retriever").glob("*.py")}
+
+
 def test_developer_benchmarks_stand_apart_from_what_ships():
     # the benchmarks use the library and tools/commands.py, never the CLI's modules; nothing that ships
     # imports a benchmark, so they can leave the wheel

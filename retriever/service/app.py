@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...datastore import DatastoreError
 from ...datastore.names import check_name as check_store_name
-from ..wire import WireError, decode_contexts, encode_trees
+from ..client.wire import WireError, decode_contexts, encode_trees
 from .metrics import Metrics
 from .requests import (BINARY_TYPE, BODY_TYPES, JSON_TYPE, EnrollRequest, Limits, ProposeRequest, ServiceError,
                        Utterance, body_too_large, body_type, check_name, int64_ids, internal_error, length_within,

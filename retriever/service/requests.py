@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...datastore import DatastoreError
 from ...datastore.names import check_name as check_datastore_name
-from ..wire import BINARY
+from ..client.wire import BINARY
 
 BINARY_TYPE = BINARY.encode()
 JSON_TYPE = b"application/json"

@@ -74,7 +74,7 @@ def make_client(mode: str, url: str, store_name: str, store_dir: str):
     if mode == "httpx":
         import httpx
 
-        from ...retriever.wire import BINARY, decode_trees, encode_contexts
+        from ...retriever.client.wire import BINARY, decode_trees, encode_contexts
 
         client = httpx.Client(timeout=10.0)
         endpoint = f"{url}/v1/stores/{store_name}/propose"
@@ -86,7 +86,7 @@ def make_client(mode: str, url: str, store_name: str, store_dir: str):
             return decode_trees(answer.content)
 
         return call
-    from ...retriever.remote import RemoteRetriever
+    from ...retriever.client import RemoteRetriever
 
     remote = RemoteRetriever(url, store=store_name, timeout=10.0, payload=mode)
     return lambda batch: remote.propose_batch([c for c, _ in batch], speaker=batch[0][1])
@@ -185,7 +185,7 @@ def free_port() -> int:
 
 
 def start_service(store_dir: Path, store_name: str, port: int) -> subprocess.Popen:
-    from ...retriever.remote import RemoteRetriever, RetrieverUnavailable
+    from ...retriever.client import RemoteRetriever, RetrieverUnavailable
 
     echospec = str(Path(sys.executable).with_name("echospec"))
     proc = subprocess.Popen([echospec, "serve", f"{store_name}={store_dir}", "--port", str(port)])
@@ -236,7 +236,7 @@ def serve_floor(port: int, answer: bytes) -> None:
 def start_floor(store_dir: str, utterances: list[dict], port: int):
     """`serve_floor` in a forked process, answering with the tree of a typical request."""
     from ...retriever import Retriever
-    from ...retriever.wire import encode_trees
+    from ...retriever.client.wire import encode_trees
 
     (context, speaker), = make_requests(utterances, 1, 1, seed=0)[0]
     answer = encode_trees([Retriever(store_dir).propose(context, speaker=speaker)])
@@ -260,7 +260,7 @@ CATEGORIES = (  # first match wins, checked from the innermost frame outwards
     ("response write: loopback send, waking the client (and waiting while it runs)",
      ("_HeldWrites.flush", "ServiceHttpProtocol.on_message_complete")),
     ("retriever: propose (numba kernels, tree)", ("retriever/retriever.py", "retriever/tree.py")),
-    ("wire: decode contexts / encode trees", ("retriever/wire.py",)),
+    ("wire: decode contexts / encode trees", ("retriever/client/wire.py",)),
     ("metrics (prometheus_client)", ("prometheus_client", "Metrics.")),
     ("uvicorn + httptools: HTTP parsing, response", ("uvicorn/", "httptools", "_OneWriteCycle", "HttpToolsProtocol",
                                                       "ServiceHttpProtocol")),
@@ -295,7 +295,7 @@ def codec_costs(store_dir: str, utterances: list[dict], lengths=(100, 500, 2000)
 
     from ...retriever import CandidateTree, Retriever
     from ...retriever.service import ProposeRequest
-    from ...retriever.wire import decode_contexts, decode_trees, encode_contexts, encode_trees
+    from ...retriever.client.wire import decode_contexts, decode_trees, encode_contexts, encode_trees
 
     retriever = Retriever(store_dir)
     stream = np.concatenate([np.array(u["tokens"], np.int64) for u in utterances[:2000]])

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from .tree import FIELDS, SOURCES, CandidateTree, tree_is_valid
+from ..tree import FIELDS, SOURCES, CandidateTree, tree_is_valid
 
 BINARY = "application/x-echospec"
 JSON = "application/json"
