@@ -65,6 +65,22 @@ def _gather(keep, tokens, parents, depths, counts, probs, sources):
     return tokens[keep], kept_parents, depths[keep], counts[keep], probs[keep], sources[keep]
 
 
+@njit(cache=True, nogil=True)
+def _prune_order(probs, depths, parents):
+    """Sorted by (-probability, depth, index), keeping a node only once its parent is kept."""
+    by_depth = np.argsort(depths, kind="mergesort")
+    order = by_depth[np.argsort(-probs[by_depth], kind="mergesort")]
+    taken = np.zeros(parents.shape[0], np.bool_)
+    kept = np.empty_like(order)
+    n = 0
+    for i in order:
+        if parents[i] < 0 or taken[parents[i]]:
+            taken[i] = True
+            kept[n] = i
+            n += 1
+    return kept[:n]
+
+
 def matched_path(tokens: np.ndarray, parents: np.ndarray, sequence) -> list[int]:
     """Node indices of the longest root path of the tree (`tokens`, `parents`) equal to a prefix of
     `sequence`: what an exact verifier would accept if `sequence` is what the target says next."""
@@ -122,6 +138,12 @@ class CandidateTree:
         keep = np.asarray(keep, np.int64)  # distinct node indices
         return CandidateTree.trusted(_gather(keep, self.tokens, self.parents, self.depths, self.counts,
                                              self.probs, self.sources))
+
+    def prune_order(self) -> np.ndarray:
+        """Nodes by decreasing probability, every node after its parent: keeping any prefix keeps a tree (a
+        budget of N nodes keeps the first N). A node more probable than its parent, which the retriever never
+        proposes, is dropped."""
+        return _prune_order(self.probs, self.depths, self.parents)
 
     def children(self, node: int) -> np.ndarray:
         """Indices of `node`'s children (node -1 is the root)."""

@@ -93,8 +93,9 @@ class ChainDrafter:
             # scored on the stores alone: the prompt lookup and FAISS would add the same rows to every candidate
             scorer = retriever if self.remote else Retriever(retriever.datastore, prompt_lookup=False,
                                                              use_faiss=False, max_nodes=retriever.max_nodes)
-            self.choose_speaker = SpeakerChoice(partial(self._propose_rows, retriever=scorer), self._speakers, self.offset,
-                                   self.vocab_size, speaker_tokens, depth=self.k, min_speech=min_speech)
+            self.choose_speaker = SpeakerChoice(partial(self._propose_rows, retriever=scorer), self._speakers,
+                                                self.offset, self.vocab_size, speaker_tokens, depth=self.k,
+                                                min_speech=min_speech)
         self.memory = NullMemory() if memory is None else memory
         self._speaker_list: tuple[float, tuple[str, ...]] = (-np.inf, ())
 

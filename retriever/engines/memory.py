@@ -112,9 +112,10 @@ class RequestMemory:
     vLLM gives no request ids, only each row's tokens, and reorders rows as requests come and go. A
     request is first seen right after its prefill, when its history is the prompt plus one sampled token:
     its prompt is then history[:-1] (a request seen again after its entry was evicted takes its history
-    so far), and `choose(prompt)` (what `find` is given) names its speaker. Entries are found by a hash of their first `HEAD`
-    tokens, then checked on their whole prompt; the `capacity` most recently used are kept, so nothing grows
-    with the requests served (each keeps its prompt's longest history: 4096 of 2,000 ids are 33 MB).
+    so far), and `choose(prompt)` (what `find` is given) names its speaker. Entries are found by a hash of
+    their first `HEAD` tokens, then checked on their whole prompt; the `capacity` most recently used are kept,
+    so nothing grows with the requests served (each keeps its prompt's longest history: 4096 of 2,000 ids are
+    33 MB).
     Requests with the same prompt share an entry."""
 
     HEAD = 16

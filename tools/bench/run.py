@@ -180,7 +180,7 @@ def verify_cost_curve(model, speech, prompts: list[Prompt], largest: int, contex
     forward's cost grows with the context faster than a one-token step's; after the prompt alone for
     embeddings prompts. Returns (curve, context length).
     """
-    from ...decoder.cost import CURVE_SIZES
+    from .cost import CURVE_SIZES
 
     sizes = sorted({s for s in CURVE_SIZES if s < largest} | {largest})
     prompt = max(prompts, key=lambda p: len(p.reference or ()))
