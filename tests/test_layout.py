@@ -59,15 +59,17 @@ def test_the_tree_contract_stands_alone():
     assert not {m for m in modules if m.startswith(("echospec.datastore", "sqlite_utils", "faiss", "torch"))}
 
 
-def _echospec_imports(path: Path) -> set[str]:
-    """The echospec modules a file imports, as absolute names (echospec.tools.cli.store, ...)."""
+def _echospec_imports(path: Path, names: bool = False) -> set[str]:
+    """The echospec modules a file imports, as absolute names (echospec.tools.cli.store, ...); with `names`, each
+    name imported from one too (echospec.retriever.kernels for `from ...retriever import kernels`)."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     package = ["echospec", *parts[:-1]]  # a module's package; an __init__'s is its own folder, the same list
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
             base = package[:len(package) - node.level + 1] if node.level else []
-            found.add(".".join(base + (node.module.split(".") if node.module else [])))
+            module = ".".join(base + (node.module.split(".") if node.module else []))
+            found |= {module} | ({f"{module}.{a.name}" for a in node.names} if names else set())
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
     return {name for name in found if name.startswith("echospec.")}
@@ -96,6 +98,21 @@ def test_retriever_rooms_import_only_what_they_may():
             wrong[name] = sorted(used - RETRIEVER_ROOMS[room])
     assert wrong == {}
     assert set(DOCUMENTED_PATHS) <= {str(p.relative_to(ROOT)) for p in (ROOT / "retriever").glob("*.py")}
+
+
+def test_outside_the_retriever_the_kernels_are_reached_through_the_replay_seam_alone():
+    # retriever/replay.py names the kernels that scripts replaying a proposal may call; the rest stay private
+    outside = [p for folder in ("datastore", "decoder", "tools") for p in (ROOT / folder).rglob("*.py")]
+    assert [str(p.relative_to(ROOT)) for p in outside
+            if "echospec.retriever.kernels" in _echospec_imports(p, names=True)] == []
+    assert any("echospec.retriever.replay" in _echospec_imports(p, names=True) for p in outside)  # the parse sees it
+
+
+def test_the_benchmarks_index_lists_every_benchmark():
+    import echospec.tools.benchmarks as benchmarks
+
+    listed = {line.split()[0] for line in benchmarks.__doc__.splitlines() if line.startswith("    ")}
+    assert listed == {p.stem for p in (ROOT / "tools" / "benchmarks").glob("*.py")} - {"__init__"}
 
 
 def test_developer_benchmarks_stand_apart_from_what_ships():

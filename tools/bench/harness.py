@@ -153,7 +153,8 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
     from ...decoder import AdaptiveBudget, CapRates, generate
     from .divergence import record_logits as recording
 
-    auto = retriever is not None and generate_options.get("max_nodes", "auto") == "auto"
+    # max_nodes "auto": an adaptive budget; none given: generate's own default (a fixed NODES), as the library's
+    auto = retriever is not None and generate_options.get("max_nodes") == "auto"
     if generate_options.get("max_nodes") == "auto":
         del generate_options["max_nodes"]
     rates = CapRates() if auto else None  # "auto": one adaptive budget's rates over this system's utterances

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -52,6 +51,7 @@ import numpy as np
 
 from ...datastore.files import atomic_file
 from ..bench.harness import balanced_order, pin_threads
+from ..bench.machine import machine
 from ..commands import out_option
 
 THREADS = 1  # per process: the clients, the service and this one
@@ -394,8 +394,8 @@ def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds
             service.wait(30)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report["setup"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "threads_per_process": THREADS,
-                       "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
+    report["machine"] = machine(threads_per_process=THREADS)
+    report["setup"] = {"load_average_at_start": load_at_start, "load_average_at_end": report["machine"]["load_average"],
                        "rounds": rounds, "seconds_per_cell": seconds,
                        "think_ms": think_ms, "mean_context_tokens": mean_context_tokens(utterances)}
     with atomic_file(out / f"service{'_think' if think_ms else ''}.json") as f:

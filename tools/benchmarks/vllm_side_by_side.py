@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -275,8 +274,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def write_report(out: Path, summary: list[dict], replay: dict | None, rounds: int, max_tokens: int) -> str:
     """vllm.json, vllm.md and vllm.png under `out`; returns the table."""
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, one engine thread"
-    (out / "vllm.json").write_text(json.dumps({"machine": machine, "rows": summary, "rounds": rounds,
+    from ..bench.machine import machine  # here: the engines have started (numba must not load before vLLM)
+
+    (out / "vllm.json").write_text(json.dumps({"machine": machine(engine_threads=1), "rows": summary, "rounds": rounds,
                                                "replayed_greedy": replay, "max_tokens": max_tokens}, indent=1))
     text = table(summary)
     if replay:
