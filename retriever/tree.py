@@ -22,7 +22,10 @@ MAX_DEPTH = 8
 """How deep a proposed tree goes unless asked otherwise: the one default of the retriever, the decoder and the
 CLI (retriever.py's tuning notes: 6 and 12 accepted no more)."""
 
-FIELDS = ("tokens", "parents", "depths", "counts", "probs", "sources")
+DTYPES = {"tokens": np.int64, "parents": np.int32, "depths": np.int32, "counts": np.float32, "probs": np.float32,
+          "sources": np.uint8}
+"""Each field's dtype (the kernels' build_tree writes the same ones)."""
+FIELDS = tuple(DTYPES)
 
 
 @njit(cache=True, nogil=True)
@@ -161,14 +164,7 @@ class CandidateTree:
 
     @classmethod
     def empty(cls) -> "CandidateTree":
-        return cls(
-            tokens=np.zeros(0, np.int64),
-            parents=np.zeros(0, np.int32),
-            depths=np.zeros(0, np.int32),
-            counts=np.zeros(0, np.float32),
-            probs=np.zeros(0, np.float32),
-            sources=np.zeros(0, np.uint8),
-        )
+        return cls(**{name: np.zeros(0, dtype) for name, dtype in DTYPES.items()})
 
     @classmethod
     def from_sequences(
@@ -202,23 +198,17 @@ class CandidateTree:
         ranked = sorted(trie.items(), key=lambda kv: (-kv[1][0], len(kv[0]), kv[1][2]))[:max_nodes]
         ranked.sort(key=lambda kv: (len(kv[0]), -kv[1][0], kv[1][2]))  # topological: by depth
         index = {prefix: i for i, (prefix, _) in enumerate(ranked)}
-        return cls(
-            tokens=np.array([p[-1] for p, _ in ranked], np.int64),
-            parents=np.array([index.get(p[:-1], -1) for p, _ in ranked], np.int32),
-            depths=np.array([len(p) for p, _ in ranked], np.int32),
-            counts=np.array([e[0] for _, e in ranked], np.float32),
-            probs=np.array([e[0] / total for _, e in ranked], np.float32),
-            sources=np.array([e[1] for _, e in ranked], np.uint8),
-        )
+        return cls.from_dict({"tokens": [p[-1] for p, _ in ranked],
+                              "parents": [index.get(p[:-1], -1) for p, _ in ranked],
+                              "depths": [len(p) for p, _ in ranked], "counts": [e[0] for _, e in ranked],
+                              "probs": [e[0] / total for _, e in ranked], "sources": [e[1] for _, e in ranked]})
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name).tolist() for name in FIELDS}
 
     @classmethod
     def from_dict(cls, data: dict) -> "CandidateTree":
-        dtypes = {"tokens": np.int64, "parents": np.int32, "depths": np.int32,
-                  "counts": np.float32, "probs": np.float32, "sources": np.uint8}
-        return cls(**{name: np.asarray(data[name], dtype) for name, dtype in dtypes.items()})
+        return cls(**{name: np.asarray(data[name], dtype) for name, dtype in DTYPES.items()})
 
     def draw(self) -> str:
         """The tree as indented text, one node a line: token, count, probability, source."""
