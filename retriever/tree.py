@@ -22,6 +22,11 @@ MAX_DEPTH = 8
 """How deep a proposed tree goes unless asked otherwise: the one default of the retriever, the decoder and the
 CLI (retriever.py's tuning notes: 6 and 12 accepted no more)."""
 
+MAX_NODES = 16
+"""How many nodes a proposal keeps when its caller sets no budget (the retrieval paper verifies 16 candidates):
+the service's answers and the vLLM drafter's trees, from which it sends one branch. A decoder sets its own budget
+on every call: `echospec.decoder.NODES` (8) by default, what one of its steps verifies fastest on a CPU."""
+
 DTYPES = {"tokens": np.int64, "parents": np.int32, "depths": np.int32, "counts": np.float32, "probs": np.float32,
           "sources": np.uint8}
 """Each field's dtype (the kernels' build_tree writes the same ones)."""
@@ -172,7 +177,7 @@ class CandidateTree:
         sequences: Iterable[Sequence[int]],
         weights: Sequence[float] | None = None,
         sources: Sequence[int] | None = None,
-        max_nodes: int = 16,
+        max_nodes: int = MAX_NODES,
         max_depth: int = MAX_DEPTH,
     ) -> "CandidateTree":
         """Merge continuations into a trie and keep the `max_nodes` most probable nodes.
