@@ -52,13 +52,12 @@ def load_model(checkpoint):
         return checkpoint, None
     if (Path(checkpoint) / META_FILE).exists():
         return load_sample_tts(checkpoint)
-    from transformers import AutoModelForCausalLM
+    from ...decoder.compat import load_causal_lm
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa")
+        return load_causal_lm(checkpoint, attn_implementation="sdpa"), None
     except (OSError, ValueError) as e:
         raise BenchError(f"{checkpoint}: not a Hugging Face causal LM checkpoint ({str(e).splitlines()[0]})") from None
-    return model.eval(), None
 
 
 def on_device(model, device: str, dtype: str):
