@@ -115,6 +115,13 @@ def test_the_benchmarks_index_lists_every_benchmark():
     assert listed == {p.stem for p in (ROOT / "tools" / "benchmarks").glob("*.py")} - {"__init__"}
 
 
+def test_no_module_is_over_500_lines_but_the_kernels():
+    # numba's cache is per file, so the kernels that call each other stay in one (retriever/kernels.py)
+    modules = [p for folder in MAY_IMPORT for p in (ROOT / folder).rglob("*.py")]
+    assert {str(p.relative_to(ROOT)): n for p in modules
+            if (n := len(p.read_text().splitlines())) > 500 and p != ROOT / "retriever" / "kernels.py"} == {}
+
+
 def test_developer_benchmarks_stand_apart_from_what_ships():
     # the benchmarks use the library and tools/commands.py, never the CLI's modules; nothing that ships
     # imports a benchmark, so they can leave the wheel

@@ -3,6 +3,7 @@ harness (tools/bench/harness.py). They are not in the wheel: run them from a che
 `pip install -e`) as `python -m echospec.tools.benchmarks.NAME --help`.
 
     auto_replay         the adaptive node budget replayed on recorded decode steps against every fixed cap
+    baselines           bench_shards' builds and sorts side by side with a baseline revision's
     bench_decoder       the decoder against Hugging Face generate on a small Llama
     bench_ingest        reading a corpus: the batch readers against the per-utterance readers of a baseline
     bench_pages         proposals from a cold page cache: pages read and mapped, what a miss costs
@@ -17,6 +18,7 @@ harness (tools/bench/harness.py). They are not in the wheel: run them from a che
     rest_reference      REST's retrieval algorithm written plainly: bench_retriever's reference peer
     retriever_defaults  how the retriever's defaults were chosen (oracle acceptance; not a speed benchmark)
     search_pages        the stream pages a proposal's binary searches and continuations touch, replayed
+    service_servers     the servers bench_service measures: `echospec serve`, and the HTTP stack alone (the floor)
     vllm_engines        vLLM engines in worker processes, for vllm_side_by_side
     vllm_side_by_side   echospec as vLLM's drafter beside vLLM's own drafters
 
