@@ -41,7 +41,8 @@ def listen_page(report: dict, audio_dir, path, prompts, systems=None) -> Path:
     audio = report.get("audio", {})
     body = [f"<h1>echospec: listen</h1><p>Vocoder {html.escape(str(audio.get('vocoder')))} "
             f"(tokenizer {html.escape(str(audio.get('tokenizer')))}), ASR {html.escape(str(audio.get('asr')))}, "
-            f"speaker encoder {html.escape(str(audio.get('speaker_encoder')))}, MOS {html.escape(str(audio.get('mos')))}"
+            f"speaker encoder {html.escape(str(audio.get('speaker_encoder')))}, "
+            f"MOS {html.escape(str(audio.get('mos')))}"
             " ('default': pocketsphinx, resemblyzer, DNSMOS P.808). The reference is the prompt's reference tokens "
             "through the same vocoder: the floor of what the stand-ins resolve (WER "
             f"{100 * (floor.get('wer') or {}).get('mean', float('nan')):.0f}%, MOS "

@@ -141,7 +141,7 @@ def format_frontier(result: dict) -> str:
                          f"{cells}  {'yes' if p['inside'] else 'no'}")
     bands = result["bands"]
     lines += ["", "baseline's 95% interval: " + "; ".join(
-        f"{m} {_cell({'value': b['mean']}, m)} [{_cell({'value': b['ci95'][0]}, m)}, {_cell({'value': b['ci95'][1]}, m)}]"
+        f"{m} {_cell({'value': b['mean']}, m)} [{', '.join(_cell({'value': v}, m) for v in b['ci95'])}]"
         for m, b in bands.items() if b)]
     for name, check in result["lossless"].items():
         same = check["identical_to_baseline"]
