@@ -23,8 +23,9 @@ from ..corpus import SAMPLE_MODEL_DIR
               help="The model's token decoder: tokens -> (waveform, sample_rate).")
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), show_default="the sample's, for its model",
               help="tokenizer.npz of the k-means stand-in vocoder.")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1))
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the policy's draws.")
+@click.option("--max-new-tokens", default=400, show_default=True, type=click.IntRange(1),
+              help="Longest utterance, in speech tokens.")
 @threads_option
 @needs_extra("quality")
 @needs_extra("bench")
