@@ -13,7 +13,8 @@ Formats
   * ``.npz`` with ``tokens`` (all utterances concatenated, 1-D ints) and ``lengths`` (1-D ints),
     optionally ``ids`` and ``speakers`` (1-D string arrays of the same length as ``lengths``).
   * ``.parquet`` with a ``tokens`` list-of-integers column, optionally ``id`` and ``speaker``; other
-    columns are kept in the catalog. Text columns may be dictionary-encoded, large_string or string_view. Needs pyarrow (the ``ray`` extra installs it).
+    columns are kept in the catalog. Text columns may be dictionary-encoded, large_string or string_view.
+    Needs pyarrow (the ``ray`` extra installs it).
 
 A corpus is one or more files or glob patterns ("shards/*.parquet"). A build reads it in units
 that tasks can read independently: a JSONL or .npz file, or one Parquet row group.
