@@ -48,7 +48,7 @@ def catalog_rows(root):
 
 
 def store_files(ds):
-    """The store's arrays by place (a per-speaker store's folder by its speaker: the rest of its name is the build's)."""
+    """The store's arrays by place (a per-speaker store's folder by its speaker; the rest of its name varies)."""
     return {p.relative_to(ds.root).as_posix().split("-")[0] + p.name: p.read_bytes() for p in ds.root.rglob("*.npy")}
 
 
