@@ -14,20 +14,21 @@ except ImportError as missing:
                       f"pip install -e '.[decoder]' in a checkout", name=missing.name) from None
 
 from .budget import NODES, AdaptiveBudget, CapRates, FixedBudget, NodeBudget
-from .cost import CostCurve
 from .errors import DecoderInputError, UnsupportedModelError
 from .generate import HF_CUSTOM_GENERATE_DIR, GenerationResult, generate, hf_generate, stream
 from .prepack import prepack
 from .policies import ExactGreedy, ExactSampling, Filtered, Policy, SimilarityGroups, Tolerance, VerifiedTree
 from .sampling import RAS, NodeState, Sampler
-from .session import GenerationStats, SpeculativeSession, check_model
+from .session import SpeculativeSession
+from .stats import GenerationStats
+from .support import check_model
 from .vocab import SpeechVocab
 
 __all__ = [
     "generate", "stream", "hf_generate", "HF_CUSTOM_GENERATE_DIR", "GenerationResult", "GenerationStats",
     "SpeculativeSession", "check_model", "prepack",
     "Policy", "ExactGreedy", "ExactSampling", "Filtered", "Tolerance", "SimilarityGroups", "VerifiedTree",
-    "Sampler", "RAS", "NodeState", "SpeechVocab", "CostCurve",
+    "Sampler", "RAS", "NodeState", "SpeechVocab",
     "NodeBudget", "FixedBudget", "AdaptiveBudget", "CapRates", "NODES",
     "DecoderInputError", "UnsupportedModelError",
 ]

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -52,6 +51,7 @@ import numpy as np
 
 from ...datastore.files import atomic_file
 from ..bench.harness import balanced_order, pin_threads
+from ..bench.machine import machine
 from ..commands import out_option
 
 THREADS = 1  # per process: the clients, the service and this one
@@ -74,7 +74,7 @@ def make_client(mode: str, url: str, store_name: str, store_dir: str):
     if mode == "httpx":
         import httpx
 
-        from ...retriever.wire import BINARY, decode_trees, encode_contexts
+        from ...retriever.client.wire import BINARY, decode_trees, encode_contexts
 
         client = httpx.Client(timeout=10.0)
         endpoint = f"{url}/v1/stores/{store_name}/propose"
@@ -86,7 +86,7 @@ def make_client(mode: str, url: str, store_name: str, store_dir: str):
             return decode_trees(answer.content)
 
         return call
-    from ...retriever.remote import RemoteRetriever
+    from ...retriever.client import RemoteRetriever
 
     remote = RemoteRetriever(url, store=store_name, timeout=10.0, payload=mode)
     return lambda batch: remote.propose_batch([c for c, _ in batch], speaker=batch[0][1])
@@ -185,7 +185,7 @@ def free_port() -> int:
 
 
 def start_service(store_dir: Path, store_name: str, port: int) -> subprocess.Popen:
-    from ...retriever.remote import RemoteRetriever, RetrieverUnavailable
+    from ...retriever.client import RemoteRetriever, RetrieverUnavailable
 
     echospec = str(Path(sys.executable).with_name("echospec"))
     proc = subprocess.Popen([echospec, "serve", f"{store_name}={store_dir}", "--port", str(port)])
@@ -236,7 +236,7 @@ def serve_floor(port: int, answer: bytes) -> None:
 def start_floor(store_dir: str, utterances: list[dict], port: int):
     """`serve_floor` in a forked process, answering with the tree of a typical request."""
     from ...retriever import Retriever
-    from ...retriever.wire import encode_trees
+    from ...retriever.client.wire import encode_trees
 
     (context, speaker), = make_requests(utterances, 1, 1, seed=0)[0]
     answer = encode_trees([Retriever(store_dir).propose(context, speaker=speaker)])
@@ -260,7 +260,7 @@ CATEGORIES = (  # first match wins, checked from the innermost frame outwards
     ("response write: loopback send, waking the client (and waiting while it runs)",
      ("_HeldWrites.flush", "ServiceHttpProtocol.on_message_complete")),
     ("retriever: propose (numba kernels, tree)", ("retriever/retriever.py", "retriever/tree.py")),
-    ("wire: decode contexts / encode trees", ("retriever/wire.py",)),
+    ("wire: decode contexts / encode trees", ("retriever/client/wire.py",)),
     ("metrics (prometheus_client)", ("prometheus_client", "Metrics.")),
     ("uvicorn + httptools: HTTP parsing, response", ("uvicorn/", "httptools", "_OneWriteCycle", "HttpToolsProtocol",
                                                       "ServiceHttpProtocol")),
@@ -295,7 +295,7 @@ def codec_costs(store_dir: str, utterances: list[dict], lengths=(100, 500, 2000)
 
     from ...retriever import CandidateTree, Retriever
     from ...retriever.service import ProposeRequest
-    from ...retriever.wire import decode_contexts, decode_trees, encode_contexts, encode_trees
+    from ...retriever.client.wire import decode_contexts, decode_trees, encode_contexts, encode_trees
 
     retriever = Retriever(store_dir)
     stream = np.concatenate([np.array(u["tokens"], np.int64) for u in utterances[:2000]])
@@ -394,8 +394,8 @@ def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds
             service.wait(30)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report["setup"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "threads_per_process": THREADS,
-                       "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
+    report["machine"] = machine(threads_per_process=THREADS)
+    report["setup"] = {"load_average_at_start": load_at_start, "load_average_at_end": report["machine"]["load_average"],
                        "rounds": rounds, "seconds_per_cell": seconds,
                        "think_ms": think_ms, "mean_context_tokens": mean_context_tokens(utterances)}
     with atomic_file(out / f"service{'_think' if think_ms else ''}.json") as f:

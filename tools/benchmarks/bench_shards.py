@@ -28,7 +28,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from ...datastore.pipeline import SORT_BYTES_PER_TOKEN, TASK_BASE_BYTES
 from ...retriever import Retriever
 from ...retriever.tree import matched_depth
 from ..bench.harness import pin_threads
+from ..bench.machine import machine
 from ..corpus.resample_corpus import Resampled, resample, write_npz
 from ..corpus.synth_corpus import SynthConfig, generate
 
@@ -434,7 +434,7 @@ def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, us
                        f"of {rounds}; now / baseline per round: "
                        + ", ".join(f"{r:.2f}" for r in side["time_ratios"]) + ")")
     if phases_only:
-        result = {"machine": _machine(), "corpus": kind, "corpus_tokens": n_train, "phased": phased,
+        result = {"machine": machine(threads=THREADS), "corpus": kind, "corpus_tokens": n_train, "phased": phased,
                   "sort_side_by_side": sort, "seconds": time.perf_counter() - started}
         with atomic_file(out / "phases.json") as f:
             json.dump(result, f, indent=2)
@@ -475,7 +475,7 @@ def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, us
     for b in builds.values():
         b["speedup"] = b["tokens_per_s"] / one["tokens_per_s"]
         b["efficiency"] = b["speedup"] / b["workers"]
-    result = {"machine": _machine(), "corpus": kind, "phased": phased, "sort_side_by_side": sort,
+    result = {"machine": machine(threads=THREADS), "corpus": kind, "phased": phased, "sort_side_by_side": sort,
               "corpus_tokens": n_train, "held_out": len(held), "build_shards": build_shards,
               "builds": builds, "sort_pairs": pairs, "stores": stores, "task_memory": memory_fit(tasks),
               "projection": projection(builds, memory_fit(tasks), pairs),
@@ -485,11 +485,6 @@ def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, us
     with atomic_file(out / "shards.md") as f:
         f.write(phases_markdown(result) + "\n" + markdown(result))
     click.echo(phases_markdown(result) + "\n" + markdown(result))
-
-
-def _machine() -> dict:
-    return {"cores": os.cpu_count(), "threads": THREADS, "python": platform.python_version(),
-            "load_average": os.getloadavg()}
 
 
 def phases_markdown(result: dict) -> str:
