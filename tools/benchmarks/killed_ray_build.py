@@ -6,13 +6,15 @@ Each run builds a small corpus with one 800k-token utterance (2 shards, ray='aut
 Ray cluster) in a child process, and kills it `--at` seconds after it started, or, for "shard", once a shard task
 runs and Ray's agents are up (the issue 48 case). While the driver lives, every process it starts is followed as a
 tree (and by a marker in its environment, for one whose parent died first); after the kill each is timed until it
-ends. One line a run: the kill point, the processes then running, the seconds until the last ended (or those still
-running after `--wait` seconds, which are then killed). Reports the load average beside: the figure depends on it.
+ends. Prints the machine (tools/bench/machine.py), then one line a run: the kill point, the processes then running,
+the seconds until the last ended (or those still running after `--wait` seconds, which are then killed), and the
+load average, which the figure depends on.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -25,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from echospec.datastore.reaper import processes
+from echospec.tools.bench.machine import machine
 
 
 def main() -> None:
@@ -33,6 +36,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="runs at each kill point")
     parser.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the processes to end")
     args = parser.parse_args()
+    print(json.dumps(machine()))
     for at in args.at:
         for _ in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="killed-ray-build-") as tmp:
