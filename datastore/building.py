@@ -126,8 +126,8 @@ def _assemble(tmp: Path, work: Path, outcome, speaker_utterances: Counter, faiss
         from .faiss_store import write_faiss_store
         info = write_faiss_store(tmp / "faiss", shard_dirs, vocab.size, embeddings,
                                  speech_offset=vocab.speech_offset, **(faiss_options or {}))
-        record_store(db, tmp, "faiss", tmp / "faiss", None, sum(u["utterances"] for u in outcome.units),
-                     {"tokens": info.pop("vectors"), "segments": 0}, kind="faiss", params=info)
+        catalog.record_store(db, tmp, "faiss", tmp / "faiss", None, sum(u["utterances"] for u in outcome.units),
+                             {"tokens": info.pop("vectors"), "segments": 0}, kind="faiss", params=info)
     catalog.set_meta(db, {"build_seconds": round(time.perf_counter() - started, 3),
                           "build_phases": outcome.seconds, "build_tasks": _task_report(outcome),
                           "layout_breaks": outcome.layout_breaks})
@@ -153,24 +153,23 @@ def _place_shards(db, tmp: Path, work: Path, outcome) -> list[Path]:
     for i, (manifest, directory) in enumerate(zip(outcome.shards, directories)):
         _link_files(work / "shards" / f"shard-{i:05d}", directory, manifest["files"])
         rows = _file_rows(tmp, "general", directory, manifest["files"])
-        db["files"].insert_all(rows, pk="path")
         utterances = sum(u["shard_utterances"][i] for u in outcome.units)
         size = sum(r["bytes"] for r in rows)
-        db["shards"].insert({"store": "general", "shard": i, "directory": directory.relative_to(tmp).as_posix(),
-                             "utterances": utterances, "segments": manifest["segments"],
-                             "tokens": manifest["tokens"], "bytes": size, "sha256": catalog.shard_digest(rows),
-                             "created_at": stamp})
+        catalog.add_shard(db, rows, {"store": "general", "shard": i,
+                                     "directory": directory.relative_to(tmp).as_posix(), "utterances": utterances,
+                                     "segments": manifest["segments"], "tokens": manifest["tokens"], "bytes": size,
+                                     "sha256": catalog.shard_digest(rows), "created_at": stamp})
         for key, value in (("utterances", utterances), ("segments", manifest["segments"]),
                            ("tokens", manifest["tokens"]), ("bytes", size)):
             total[key] += value
-    db["stores"].insert({"name": "general", "kind": "exact", "directory": "general", "speaker": None,
-                         **total, "created_at": stamp, "params": json.dumps({"shards": n})}, pk="name")
+    catalog.add_stores(db, [{"name": "general", "kind": "exact", "directory": "general", "speaker": None,
+                             **total, "created_at": stamp, "params": json.dumps({"shards": n})}])
     return directories
 
 
 def _place_speakers(db, tmp: Path, work: Path, groups: list[dict], utterances: Counter) -> None:
     """Link every speaker store into the new datastore and record them, each table's rows in one insert
-    (sqlite-utils looks a table up on every call: one call per speaker cost ~10 ms)."""
+    (catalog.add_speaker_stores)."""
     files, stores, speakers = [], [], []
     stamp = catalog.now()
     for group, manifest in enumerate(groups):
@@ -185,9 +184,7 @@ def _place_speakers(db, tmp: Path, work: Path, groups: list[dict], utterances: C
                            "bytes": sum(r["bytes"] for r in rows), "created_at": stamp, "params": "{}"})
             speakers.append({"name": row["name"], "store": name, "utterances": utterances[row["name"]],
                              "tokens": row["tokens"], "enrolled_at": stamp})
-    db["files"].insert_all(files, pk="path")
-    db["stores"].insert_all(stores, pk="name")
-    db["speakers"].insert_all(speakers, pk="name")
+    catalog.add_speaker_stores(db, files, stores, speakers)
 
 
 def _link_files(source: Path, directory: Path, files: list[dict]) -> None:
@@ -227,46 +224,11 @@ def _check_target(target: Path, force: bool) -> None:
         raise DatastoreError(f"{target}: exists and is not a datastore; refusing to replace it")
 
 
-def corpus_name(corpus) -> str:
-    return str(corpus) if isinstance(corpus, (str, Path)) else ", ".join(map(str, corpus))
-
-
 def _meta(vocab: Vocabulary, codebooks, n_min, n_max, per_speaker, faiss, corpus, shards,
           dropped: dict | None = None) -> dict:
     return {"vocab_size": vocab.size, "speech_offset": vocab.speech_offset, "stop_ids": list(vocab.stop_ids),
             "drop_ids": list(vocab.drop_ids), "codebooks": int(codebooks),
             "dtype": stream_dtype(vocab.size).name, "n_min": int(n_min), "n_max": int(n_max),
             "sort_depth": int(n_max),
-            "build": {"corpus": corpus_name(corpus), "per_speaker": per_speaker, "faiss": bool(faiss),
+            "build": {"corpus": catalog.corpus_name(corpus), "per_speaker": per_speaker, "faiss": bool(faiss),
                       "shards": shards, **({"dropped_non_speech": dropped} if vocab.drop_non_speech else {})}}
-
-
-def record_store(db, root: Path, name: str, directory: Path, speaker: str | None, n_utts: int,
-                  counts: dict, kind: str = "exact", params: dict | None = None) -> None:
-    size = catalog.record_files(db, root, name, directory)
-    stamp = catalog.now()
-    db["stores"].upsert({"name": name, "kind": kind, "directory": directory.relative_to(root).as_posix(),
-                         "speaker": speaker, "utterances": n_utts, "segments": counts["segments"],
-                         "tokens": counts["tokens"], "bytes": size, "created_at": stamp,
-                         "params": json.dumps(params or {})}, pk="name")
-    if speaker is not None:
-        db["speakers"].upsert({"name": speaker, "store": name, "utterances": n_utts, "tokens": counts["tokens"],
-                               "enrolled_at": stamp}, pk="name")
-
-
-def insert_utterances(db, rows) -> Counter:
-    """Insert (id, speaker, tokens, source, extra JSON) rows; returns utterances per speaker."""
-    per_speaker: Counter = Counter()
-
-    def counted():
-        for row in rows:
-            per_speaker[row[1]] += 1
-            yield row
-
-    # Plain executemany: sqlite-utils' per-row type handling cost 2 s for a 10M-token corpus.
-    with db.atomic():
-        db.conn.executemany(INSERT_UTTERANCE, counted())
-    return per_speaker
-
-
-INSERT_UTTERANCE = "INSERT INTO utterances (id, speaker, tokens, source, extra) VALUES (?, ?, ?, ?, ?)"

@@ -32,6 +32,7 @@ import numpy as np
 import orjson
 
 from .errors import CorpusError, one_line
+from .ids import Vocabulary, local_ids, utterance_of
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +45,6 @@ class Utterance:
     where: str  # "file:line" for messages
     extra: dict = field(default_factory=dict)
     id_given: bool = True  # False: the id is the default "<file stem>:<line>", not from the corpus
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """How raw model ids map to store-local ids: local = raw - speech_offset, 0 <= local < size."""
-
-    speech_offset: int = 0
-    size: int | None = None  # None: the largest local id seen + 1
-    stop_ids: tuple[int, ...] = ()  # raw ids that end a segment and are never stored
-    drop_ids: tuple[int, ...] = ()  # raw marker ids removed wherever they occur (they split nothing)
-    drop_non_speech: bool = False  # remove (and count) ids outside the speech range instead of refusing them
 
 
 _INT = {int}
@@ -397,87 +387,23 @@ def _batch(source: str, kind: str, numbers: np.ndarray, raw: np.ndarray, lengths
         first = int(np.argmax(lengths > 0))
         raise CorpusError(f"{batch.where(first)}: tokens must be integers, got {raw.dtype} values")
     if raw.dtype == np.uint64 and raw.size and raw.max() > np.iinfo(np.int64).max:
-        first = _utterance_of(offsets, int(np.argmax(raw > np.iinfo(np.int64).max)))
+        first = utterance_of(offsets, int(np.argmax(raw > np.iinfo(np.int64).max)))
         raise CorpusError(f"{batch.where(first)}: token id too large for a 64-bit integer")
-    batch.tokens, batch.offsets = _local_ids(batch, raw.astype(np.int64, copy=False), offsets, vocab)
+    batch.tokens, batch.offsets, dropped = local_ids(raw.astype(np.int64, copy=False), offsets, vocab, batch.where)
+    if dropped is not None:
+        batch.dropped_tokens = int(dropped.sum())
+        batch.dropped_utterances = int(np.count_nonzero(dropped))
+        batch.first_dropped = batch.where(int(np.argmax(dropped > 0)))
     return batch
 
 
-def _local_ids(batch: Batch, arr: np.ndarray, offsets: np.ndarray, vocab: Vocabulary):
-    """to_local_ids over a whole batch: marker ids removed, every id checked at once (an error names the first
-    utterance holding a bad id, in the words to_local_ids uses for it), stop ids -1."""
-    remove = np.isin(arr, np.asarray(vocab.drop_ids, np.int64)) if vocab.drop_ids else None
-    stop = np.isin(arr, np.asarray(vocab.stop_ids, np.int64)) if vocab.stop_ids else None
-    offset = vocab.speech_offset
-    outside = arr < offset
-    if vocab.size is not None:
-        outside |= arr >= offset + vocab.size
-    if stop is not None:
-        outside &= ~stop
-    if remove is not None:
-        outside &= ~remove
-    if outside.any():
-        negative = arr < 0
-        if remove is not None:
-            negative &= ~remove
-        bad = negative if vocab.drop_non_speech else outside
-        if bad.any():
-            u = _utterance_of(offsets, int(np.argmax(bad)))
-            to_local_ids(arr[offsets[u]:offsets[u + 1]], batch.where(u), vocab)  # raises its message
-            raise AssertionError("to_local_ids accepted an id the batch check refused")
-        per_utterance = np.diff(np.concatenate([[0], np.cumsum(outside)])[offsets])
-        batch.dropped_tokens = int(per_utterance.sum())
-        batch.dropped_utterances = int(np.count_nonzero(per_utterance))
-        batch.first_dropped = batch.where(int(np.argmax(per_utterance > 0)))
-        remove = outside if remove is None else remove | outside
-    if remove is not None and remove.any():
-        kept = np.zeros(len(arr) + 1, np.int64)
-        np.cumsum(~remove, out=kept[1:])
-        offsets = kept[offsets]
-        arr = arr[~remove]
-        stop = None if stop is None else stop[~remove]
-    local = arr - offset if offset else arr
-    return (local if stop is None else np.where(stop, -1, local)), offsets
-
-
-def _utterance_of(offsets: np.ndarray, index: int) -> int:
-    return int(np.searchsorted(offsets, index, side="right")) - 1
-
-
-def to_local_ids(raw, where: str, vocab: Vocabulary) -> np.ndarray:
-    """Check one utterance's raw ids and map them to local ids; stop ids become -1 (a segment boundary)."""
-    return counted_local_ids(raw, where, vocab)[0]
-
-
 def counted_local_ids(raw, where: str, vocab: Vocabulary) -> tuple[np.ndarray, int]:
-    """to_local_ids, and how many ids outside the speech range it removed (with vocab.drop_non_speech; else 0)."""
+    """One utterance's raw ids checked and mapped to local ids (stop ids -1, a segment boundary), and how many ids
+    outside the speech range were removed (with vocab.drop_non_speech; else 0): the utterance checked as a batch
+    of one."""
     arr = _as_array(raw, where).astype(np.int64, copy=False)
-    if vocab.drop_ids and arr.size:
-        arr = arr[~np.isin(arr, np.asarray(vocab.drop_ids, np.int64))]
-    if not arr.size:
-        return arr, 0
-    lowest = int(arr.min())
-    if lowest < 0:
-        raise CorpusError(f"{where}: negative token id {lowest}")
-    stop = np.isin(arr, np.asarray(vocab.stop_ids, np.int64)) if vocab.stop_ids else np.zeros(len(arr), bool)
-    offset = vocab.speech_offset
-    dropped = 0
-    if vocab.drop_non_speech:
-        outside = ((arr < offset) | (arr >= offset + vocab.size)) & ~stop
-        dropped = int(np.count_nonzero(outside))
-        arr, stop = arr[~outside], stop[~outside]
-    speech = arr[~stop]
-    lowest, highest = (int(speech.min()), int(speech.max())) if speech.size else (offset, offset)
-    if lowest < offset:
-        raise CorpusError(f"{where}: token id {lowest} is below the speech range "
-                          f"(speech_offset {offset}) and is not a stop id (a marker id? drop it: --drop-id, "
-                          "or keep only the speech range: --drop-non-speech)")
-    if vocab.size is not None and highest >= offset + vocab.size:
-        raise CorpusError(f"{where}: token id {highest} is outside the speech range "
-                          f"{offset}..{offset + vocab.size - 1} and is not a stop id (a marker id? drop it: "
-                          "--drop-id, or keep only the speech range: --drop-non-speech)")
-    local = arr - offset if offset else arr
-    return (np.where(stop, -1, local) if stop.any() else local), dropped
+    local, _, dropped = local_ids(arr, np.array([0, len(arr)], np.int64), vocab, lambda u: where)
+    return local, 0 if dropped is None else int(dropped[0])
 
 
 def split_segments(tokens: np.ndarray) -> list[np.ndarray]:

@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 
 from . import catalog
-from .building import corpus_name, insert_utterances, record_store
 from .corpus import UniqueIds, Utterance, Vocabulary, corpus_files, corpus_units, counted_local_ids, has_speech, \
     read_batches, split_layout_breaks, split_segments, warn_dropped, warn_skipped
 from .errors import CorpusError, DatastoreError, EnrollmentConflict
@@ -78,10 +77,11 @@ def enroll(store_dir, speaker: str, utterances, replace: bool = False) -> Enroll
             counts = write_exact_store(tmp, kept + added, ds.vocab_size, ds.sort_depth)
         crash_point("enroll:renamed")
         with catalog.opened(root) as db, db.atomic():  # one transaction: the old store or the new one
-            record_store(db, root, f"speaker:{speaker}", final, speaker, n_utts, counts)
+            catalog.record_store(db, root, f"speaker:{speaker}", final, speaker, n_utts, counts)
             if replace:
-                db["utterances"].delete_where("speaker = ?", [speaker])
-            insert_utterances(db, ((u.id, speaker, int((u.tokens >= 0).sum()), u.where, _extra(u)) for u in new))
+                catalog.remove_utterances(db, speaker)
+            catalog.insert_utterances(db, ((u.id, speaker, int((u.tokens >= 0).sum()), u.where, _extra(u))
+                                           for u in new))
             catalog.set_meta(db, {"updated_at": catalog.now()})
         crash_point("enroll:committed")
         if old_dir is not None:
@@ -113,7 +113,7 @@ def _read(utterances, vocab: Vocabulary, dropped: _Dropped) -> tuple[Iterable[Ut
         return _read_files(utterances, vocab, dropped), str(utterances)
     utterances = list(utterances)
     if all(isinstance(u, (str, os.PathLike)) for u in utterances):
-        return _read_files(utterances, vocab, dropped), corpus_name(utterances)
+        return _read_files(utterances, vocab, dropped), catalog.corpus_name(utterances)
     return (_from_dict(row, i, vocab, dropped) for i, row in enumerate(utterances)), "utterances"
 
 

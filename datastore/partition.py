@@ -85,16 +85,10 @@ class PartitionWriter:
             self.skipped += len(ids) - len(kept)
             self.first_skipped = self.first_skipped or wheres[int(np.argmax(per_utterance == 0))]
         seg_utt, seg_len, values = _segments(tokens, offsets, speech)
-        seg_shard = shard_of[seg_utt]
-        # each token's shard as uint16 (shards <= 65536): the per-shard masks read 2 bytes a token, not 8
-        token_shard = np.repeat(seg_shard.astype(np.uint16), seg_len) if self.shards > 1 else None
-        for s in range(self.shards):
-            mine = seg_shard == s
-            if mine.any():
-                lengths = seg_len[mine]
-                self.shard_parts[s].append((values if token_shard is None else values[token_shard == s], lengths))
-                self.shard_tokens[s] += int(lengths.sum())
-                self.shard_segments[s] += len(lengths)
+        for s, part, lengths, _ in _split(shard_of[seg_utt], seg_len, values, self.shards):
+            self.shard_parts[s].append((part, lengths))
+            self.shard_tokens[s] += int(lengths.sum())
+            self.shard_segments[s] += len(lengths)
         for s, count in enumerate(np.bincount(shard_of[kept], minlength=self.shards).tolist()):
             self.shard_utterances[s] += count
         if self.groups:
@@ -141,18 +135,10 @@ class PartitionWriter:
     def _add_groups(self, speaker_of: np.ndarray, seg_utt: np.ndarray, seg_len: np.ndarray, values: np.ndarray):
         new = list(self.speakers)[len(self.speaker_group):]
         self.speaker_group = np.concatenate([self.speaker_group, _buckets(new, self.groups)])
-        group_of_speaker = self.speaker_group
         seg_speaker = speaker_of[seg_utt]
-        seg_group = group_of_speaker[seg_speaker]
-        # as for shards: uint16 group numbers (groups == shards <= 65536), and no mask at all for one group
-        token_group = np.repeat(seg_group.astype(np.uint16), seg_len) if self.groups > 1 else None
-        for g in range(self.groups):
-            mine = seg_group == g
-            if mine.any():
-                lengths = seg_len[mine]
-                self.group_parts[g].append((values if token_group is None else values[token_group == g], lengths,
-                                            seg_speaker[mine]))
-                self.group_tokens[g] += int(lengths.sum())
+        for g, part, lengths, mine in _split(self.speaker_group[seg_speaker], seg_len, values, self.groups):
+            self.group_parts[g].append((part, lengths, seg_speaker[mine]))
+            self.group_tokens[g] += int(lengths.sum())
 
     def _add_meta(self, batch: Batch, ids: list[str], wheres: list[str], kept: np.ndarray,
                   per_utterance: np.ndarray) -> None:
@@ -206,6 +192,17 @@ class PartitionWriter:
                 "shard_tokens": self.shard_tokens, "shard_segments": self.shard_segments,
                 "shard_utterances": self.shard_utterances,
                 "group_tokens": self.group_tokens, "files": self.files, "sha256": self.digests}
+
+
+def _split(seg_bucket: np.ndarray, seg_len: np.ndarray, values: np.ndarray, buckets: int):
+    """The segments of each bucket (shard or speaker group) that has any: (bucket, its tokens, its segments'
+    lengths, its segments' mask). Each token's bucket as uint16 (buckets <= 65536): the per-bucket masks read 2
+    bytes a token, not 8, and none at all for one bucket."""
+    token_bucket = np.repeat(seg_bucket.astype(np.uint16), seg_len) if buckets > 1 else None
+    for b in range(buckets):
+        mine = seg_bucket == b
+        if mine.any():
+            yield b, values if token_bucket is None else values[token_bucket == b], seg_len[mine], mine
 
 
 def _segments(tokens: np.ndarray, offsets: np.ndarray, speech: np.ndarray):

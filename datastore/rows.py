@@ -29,7 +29,6 @@ import numpy as np
 from tqdm import tqdm
 
 from . import catalog
-from .building import INSERT_UTTERANCE
 from .errors import DatastoreError
 from .runners import die_with_parent
 from .tasks import unpack_strings
@@ -95,8 +94,7 @@ def insert_partition_rows(db, work: Path, units: list[dict], written: Callable[[
                     tokens = data["tokens"].tolist()
                 speakers = [s or None for s in speakers]
                 per_speaker.update(speakers)
-                db.conn.executemany(INSERT_UTTERANCE, zip(ids, speakers, tokens, sources,
-                                                          [e or None for e in extras]))
+                catalog.add_utterances(db, zip(ids, speakers, tokens, sources, [e or None for e in extras]))
                 rows += len(ids)
                 if written:
                     written(rows)

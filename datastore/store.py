@@ -129,11 +129,10 @@ class Datastore:
             return ExactStore(self._speaker_dirs[speaker], self.vocab_size, self.access)
         except DatastoreError:
             with catalog.opened(self.root) as db:
-                row = db.execute("SELECT s.directory FROM speakers p JOIN stores s ON s.name = p.store "
-                                 "WHERE p.name = ?", [speaker]).fetchone()
-            if row is None or not catalog.inside(row[0]):
+                directory = catalog.speaker_store_directory(db, speaker)
+            if directory is None or not catalog.inside(directory):
                 raise
-            return ExactStore(self.root / row[0], self.vocab_size, self.access)
+            return ExactStore(self.root / directory, self.vocab_size, self.access)
 
     def faiss_store(self):
         """The FAISS store, or None when the datastore was built without one."""

@@ -21,7 +21,6 @@ except ImportError as missing:
 _LAZY = {
     "NODES": ".budget", "AdaptiveBudget": ".budget", "CapRates": ".budget", "FixedBudget": ".budget",
     "NodeBudget": ".budget",
-    "CostCurve": ".cost",
     "DecoderInputError": ".errors", "UnsupportedModelError": ".errors",
     "HF_CUSTOM_GENERATE_DIR": ".generate", "GenerationResult": ".generate", "generate": ".generate",
     "hf_generate": ".generate", "stream": ".generate",
@@ -29,7 +28,7 @@ _LAZY = {
     "ExactGreedy": ".policies", "ExactSampling": ".policies", "Filtered": ".policies", "GroupRejection": ".policies",
     "Policy": ".policies", "SimilarityGroups": ".policies", "Tolerance": ".policies", "VerifiedTree": ".policies",
     "RAS": ".sampling", "NodeState": ".sampling", "Sampler": ".sampling",
-    "GenerationStats": ".session", "SpeculativeSession": ".session", "check_model": ".session",
+    "SpeculativeSession": ".session", "GenerationStats": ".stats", "check_model": ".support",
     "SpeechVocab": ".vocab",
 }
 

@@ -20,7 +20,9 @@ from collections import deque
 from typing import Protocol
 
 NODES = 8
-"""The default cap: on the shipped sample (CPU, float32) the fastest fixed cap for every policy within 3%."""
+"""The default cap: on the shipped sample (CPU, float32) the fastest fixed cap for every policy within 3%. A
+session passes its cap with every proposal, so the retriever's own default (retriever.tree.MAX_NODES, 16: what a
+proposal keeps when its caller sets no budget) never applies to a decoder."""
 
 CAPS = (8, 0, 4)
 """The caps an adaptive budget compares, in the order first tried: a middle tree, plain steps (trees that do

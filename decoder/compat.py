@@ -10,7 +10,10 @@ What changed between them and is used here, each with the one call that hides it
 - which layers slide: 4.56+ configs list `layer_types`, 4.51 configs say `use_sliding_window` /
   `sliding_window` (`layer_types`);
 - SDPA's grouped-query switch (TRANSFORMERS_SDPA_FORCE_GQA): read by newer releases only, 4.51 always
-  copies grouped key/value heads (`sdpa_reads_gqa_switch`).
+  copies grouped key/value heads (`sdpa_reads_gqa_switch`);
+- `from_pretrained`'s dtype keyword: `dtype` in 5.x, `torch_dtype` in 4.x, where an unknown `dtype` lands in the
+  config as a torch.dtype and saving or printing it fails (`Object of type dtype is not JSON serializable`)
+  (`load_causal_lm`).
 
 `DynamicCache.crop`, `get_seq_length`, 4D additive attention masks with explicit `position_ids`,
 `logits_to_keep` and the logits processors behave alike on all of them.
@@ -29,6 +32,17 @@ try:  # 4.56+: a cache is a list of layers
     from transformers.cache_utils import DynamicLayer
 except ImportError:  # 4.51-4.55
     DynamicLayer = None
+
+
+def load_causal_lm(path, dtype=None, **options):
+    """`AutoModelForCausalLM.from_pretrained(path, **options)` in `dtype` (a torch.dtype; None: the checkpoint's
+    default), in eval mode, on any supported transformers."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    if dtype is not None:
+        options["dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"] = dtype
+    return AutoModelForCausalLM.from_pretrained(path, **options).eval()
 
 
 def cache_argument(model) -> str:

@@ -13,8 +13,9 @@ from .budget import NodeBudget
 from .errors import DecoderInputError
 from .policies import ExactGreedy, ExactSampling, Policy
 from .sampling import Sampler
-from .session import GenerationStats, SpeculativeSession
-from .vocab import SpeechVocab
+from .session import SpeculativeSession
+from .stats import GenerationStats
+from .vocab import SpeechVocab, eos_ids
 
 
 HF_CUSTOM_GENERATE_DIR = str(Path(__file__).parent / "hf_custom_generate")
@@ -100,8 +101,7 @@ def hf_generate(model, input_ids, logits_processor=None, stopping_criteria=None,
     prompt_length = 0 if inputs_embeds is not None else input_ids.shape[1]
     max_new = generation_config.max_new_tokens or generation_config.max_length - prompt_length
     min_new = generation_config.min_new_tokens or max(0, (generation_config.min_length or 0) - prompt_length)
-    eos = generation_config.eos_token_id
-    stops = () if eos is None else tuple([eos] if isinstance(eos, int) else eos)
+    stops = eos_ids(generation_config)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     result = generate(
         model, retriever, input_ids=None if inputs_embeds is not None else input_ids, inputs_embeds=inputs_embeds,

@@ -30,6 +30,7 @@ import re
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -135,19 +136,22 @@ COSYVOICE_SOURCE = ("FunAudioLLM/CosyVoice cosyvoice/llm/llm.py (Qwen2LM, CosyVo
                     "inference_wrapper, sampling_ids), cosyvoice/utils/common.py (ras_sampling), "
                     "cosyvoice/cli/model.py (llm_job), examples/libritts/cosyvoice{2,3}/conf/*.yaml")
 COSYVOICE3_SILENT_TOKENS = (1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323)
+COSYVOICE3_END_OF_PROMPT = 151646  # <|endofprompt|>, which CosyVoice 3's text or prompt text must hold
 COSYVOICE_ENGINES = ("hf", "vllm")
 COSYVOICE_SAMPLER = RAS(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
 COSYVOICE_VLLM_SAMPLER = Sampler(top_k=25)  # vLLM's defaults: temperature 1, top_p 1, min_p 0, no penalties
 
 
 def _cosyvoice_prompt(preset: Preset, llm, text: Sequence[int], prompt_text: Sequence[int] = (),
-                      prompt_speech: Sequence[int] = ()) -> dict:
-    """[sos] + embedded (prompt_text + text) + [task_id] + embedded prompt_speech, as CosyVoice's inference
-    builds `lm_input`; text ids are the Qwen2 tokenizer's, prompt_speech the prompt audio's speech tokens."""
+                      prompt_speech: Sequence[int] = (), *, version: int) -> dict:
+    """[sos] + embedded (prompt_text + text) + [task_id] + embedded prompt_speech, as CosyVoice `version`'s
+    inference builds `lm_input`; text ids are the Qwen2 tokenizer's, prompt_speech the prompt audio's speech
+    tokens."""
     size = preset.speech.size
-    version3 = len(preset.speech.stop_ids) > 3
-    if version3 and 151646 not in [*prompt_text, *text]:
-        raise DecoderInputError("CosyVoice 3 needs <|endofprompt|> (151646) in the text or the prompt text")
+    version3 = version == 3
+    if version3 and COSYVOICE3_END_OF_PROMPT not in [*prompt_text, *text]:
+        raise DecoderInputError(f"CosyVoice 3 needs <|endofprompt|> ({COSYVOICE3_END_OF_PROMPT}) in the text or "
+                                "the prompt text")
     device = llm.speech_embedding.weight.device
     ids = lambda values: torch.tensor([[int(t) for t in values]], dtype=torch.long, device=device)  # noqa: E731
     with torch.no_grad():
@@ -160,7 +164,8 @@ def _cosyvoice_prompt(preset: Preset, llm, text: Sequence[int], prompt_text: Seq
     return {"inputs_embeds": inputs, "prompt_speech": [int(t) for t in prompt_speech]}
 
 
-def _cosyvoice(name: str, speech_token_size: int, extra: int, engine: str, silent: tuple[int, ...]) -> Preset:
+def _cosyvoice(version: int, speech_token_size: int, extra: int, engine: str, silent: tuple[int, ...]) -> Preset:
+    name = f"CosyVoice {version}"
     if engine not in COSYVOICE_ENGINES:
         raise DecoderInputError(f"{name}: engine must be one of {COSYVOICE_ENGINES}, got {engine!r}")
     size = speech_token_size
@@ -169,17 +174,17 @@ def _cosyvoice(name: str, speech_token_size: int, extra: int, engine: str, silen
     return Preset(name + (" (vLLM)" if vllm else ""), COSYVOICE_SOURCE,
                   SpeechVocab(0, size, tuple(size + i for i in range(extra))), sampler, token_rate=25.0,
                   min_length_stop_ids=None if vllm else (size,), min_per_text_token=2.0, max_per_text_token=20.0,
-                  silent_tokens=silent, prompt_builder=_cosyvoice_prompt)
+                  silent_tokens=silent, prompt_builder=partial(_cosyvoice_prompt, version=version))
 
 
 def cosyvoice2(speech_token_size: int = 6561, engine: str = "hf") -> Preset:
     """CosyVoice 2 decoding as CosyVoice does with Hugging Face (engine="hf") or vLLM (engine="vllm")."""
-    return _cosyvoice("CosyVoice 2", speech_token_size, 3, engine, ())
+    return _cosyvoice(2, speech_token_size, 3, engine, ())
 
 
 def cosyvoice3(speech_token_size: int = 6561, engine: str = "hf") -> Preset:
     """CosyVoice 3 decoding as CosyVoice does with Hugging Face (engine="hf") or vLLM (engine="vllm")."""
-    return _cosyvoice("CosyVoice 3", speech_token_size, 200, engine, COSYVOICE3_SILENT_TOKENS)
+    return _cosyvoice(3, speech_token_size, 200, engine, COSYVOICE3_SILENT_TOKENS)
 
 
 COSYVOICE2 = cosyvoice2()

@@ -12,89 +12,20 @@ import contextlib
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..retriever.tree import MAX_DEPTH, CandidateTree
 from . import compat
 from .budget import NODES, FixedBudget, NodeBudget
-from .cost import CURVE_SIZES, CostCurve, prune_order
 from .errors import DecoderInputError, UnsupportedModelError
 from .gqa import copies_grouped_heads, grouped_query_attention
 from .policies import ExactGreedy, Policy, VerifiedTree
 from .sampling import NodeState
-from .vocab import SpeechVocab
-
-ALLOWED_ATTENTION = ("eager", "sdpa")
-
-
-def check_model(model, head=None) -> None:
-    """Raise UnsupportedModelError unless `model` can verify a tree.
-
-    It must be a decoder-only causal LM whose attention takes a 4D additive mask; with a `head` (the model's
-    own speech head, applied to the final hidden states) its bare backbone (e.g. `Qwen2Model`) will do too.
-    """
-    if not isinstance(model, PreTrainedModel):
-        raise UnsupportedModelError(f"echospec needs a transformers PreTrainedModel, got {type(model).__name__}")
-    config = model.config
-    name = type(model).__name__
-    causal_lm = name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) or name.endswith("ForCausalLM")
-    backbone = head is not None and model.base_model is model and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    if config.is_encoder_decoder or not getattr(config, "is_causal", True) or not (causal_lm or backbone):
-        hint = "" if head is not None else " (a bare backbone needs the model's own head: pass head=...)"
-        raise UnsupportedModelError(f"{name} is not a decoder-only causal LM{hint}")
-    attention = config._attn_implementation
-    if attention not in ALLOWED_ATTENTION:
-        raise UnsupportedModelError(
-            f"attention implementation {attention!r} cannot take a tree-attention mask; load the model with "
-            f"attn_implementation='sdpa' or 'eager' (flash and flex attention are not supported)"
-        )
-    layer_types = compat.layer_types(config)
-    if any(t != "full_attention" for t in layer_types):
-        raise UnsupportedModelError(f"only full-attention layers are supported, got {sorted(set(layer_types))}")
-
-
-@dataclass
-class GenerationStats:
-    """Counters and timings of one generation; derived rates are properties and appear in `to_dict()`."""
-
-    new_tokens: int = 0
-    target_forwards: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)  # per decode step: tree nodes accepted
-    node_budgets: list[int] = field(default_factory=list)  # per decode step: tree nodes verified
-    node_caps: list[int] = field(default_factory=list)  # per step that asked its budget: the cap it set
-    wall_seconds: float = 0.0
-    propose_seconds: float = 0.0
-    forward_seconds: float = 0.0
-    retriever_errors: int = 0
-    retriever_timeouts: int = 0
-    token_rate: float = 25.0  # speech tokens per second of audio
-    budget: dict | None = None  # an adaptive budget's summary when the utterance ended (its caps' rates)
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.new_tokens / max(self.target_forwards, 1)
-
-    @property
-    def time_per_token(self) -> float:
-        return self.wall_seconds / max(self.new_tokens, 1)
-
-    @property
-    def lm_rtf(self) -> float:
-        """LM real-time factor: generation time over the duration of the audio generated."""
-        return self.wall_seconds / max(self.new_tokens / self.token_rate, 1e-9)
-
-    @property
-    def propose_share(self) -> float:
-        return self.propose_seconds / max(self.wall_seconds, 1e-9)
-
-    def to_dict(self) -> dict:
-        derived = ("tokens_per_forward", "time_per_token", "lm_rtf", "propose_share")
-        return asdict(self) | {name: getattr(self, name) for name in derived}
+from .stats import GenerationStats
+from .support import check_model
+from .vocab import SpeechVocab, eos_ids
 
 
 class SpeculativeSession:
@@ -146,7 +77,7 @@ class SpeculativeSession:
         self._copies_grouped_heads = copies_grouped_heads(model)
         self.policy = policy or ExactGreedy()
         self.vocab_size = self._output_size()
-        self.speech = speech or SpeechVocab(0, self.vocab_size, _eos_ids(model))
+        self.speech = speech or SpeechVocab(0, self.vocab_size, eos_ids(model.generation_config))
         self._check_vocabulary()
         self.speech_embedding = speech_embedding
         self._embedding_rows = _rows(speech_embedding)
@@ -340,7 +271,7 @@ class SpeculativeSession:
             raise DecoderInputError(f"the retriever returned {type(tree).__name__}, not a CandidateTree")
         self.speech.to_model(tree.tokens)  # raises on ids outside the store's vocabulary
         tree = self._usable(tree, depth_cap)
-        return tree if len(tree) <= cap else tree.subtree(prune_order(tree)[:cap])
+        return tree if len(tree) <= cap else tree.subtree(tree.prune_order()[:cap])
 
     def _usable(self, tree: CandidateTree, depth_cap: int) -> CandidateTree:
         """Drop nodes deeper than this step may go and everything below a stop token."""
@@ -465,43 +396,6 @@ class SpeculativeSession:
         self.stats.new_tokens = len(self.generated)
         return emitted
 
-    @torch.no_grad()
-    def measure_cost_curve(self, sizes=CURVE_SIZES, repeats: int = 5) -> CostCurve:
-        """Forward time of a verify step against tree size, on the live cache (cropped back after each).
-
-        Sizes are timed round-robin after a warm-up round, in a fresh order each round: a size timed
-        right after the largest one runs slower (measured: the one-token step by 10-20%), and a fixed
-        order put that on the one-token step every round. The shape is the median over rounds of each
-        round's times relative to its own one-token step, so load that comes and goes between rounds
-        (another process on the cores) cancels; taking each size's median time instead put a 1-node tree
-        at 5x a plain step on a loaded 2-core machine. The shape is made non-decreasing (more tokens never
-        cost less) and scaled by the one-token step's median time.
-        """
-        sizes = sorted({0, *(s for s in sizes if self.cached + s < self.max_positions)})
-        forwards, forward_seconds = self.stats.target_forwards, self.stats.forward_seconds
-        chains = [CandidateTree.from_sequences([[0] * n], max_nodes=n, max_depth=n) for n in sizes]
-        orders = np.random.default_rng(0)
-        rounds = [self._time_chains(chains, orders) for _ in range(repeats + 1)]  # the first warms up
-        self.stats.target_forwards, self.stats.forward_seconds = forwards, forward_seconds  # not the utterance's
-        return CostCurve(sizes, _typical_curve(rounds[1:]), context=self.cached)
-
-    def _time_chains(self, chains: list[CandidateTree], orders: np.random.Generator) -> np.ndarray:
-        times = np.zeros(len(chains))
-        for i in orders.permutation(len(chains)).tolist():
-            start = time.perf_counter()
-            self.verify(chains[i])
-            times[i] = time.perf_counter() - start
-            self.cache.crop(-(len(chains[i]) + 1))
-        return times
-
-
-def _typical_curve(rounds: list[np.ndarray]) -> list[float]:
-    """Median over rounds of each round's times relative to its one-token step, made non-decreasing,
-    times the one-token step's median."""
-    rounds = np.array(rounds)
-    shape = np.maximum.accumulate(np.median(rounds / rounds[:, :1], axis=0))
-    return [float(s) for s in shape * np.median(rounds[:, 0])]
-
 
 def _budget(max_nodes, budget) -> NodeBudget:
     if budget is not None:
@@ -529,8 +423,3 @@ def _rows(table) -> int | None:
         return int(table.shape[0])
     weight = getattr(table, "weight", None)
     return int(weight.shape[0]) if isinstance(table, torch.nn.Embedding) and weight is not None else None
-
-
-def _eos_ids(model) -> tuple[int, ...]:
-    eos = model.generation_config.eos_token_id
-    return () if eos is None else tuple([eos] if isinstance(eos, int) else eos)

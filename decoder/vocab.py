@@ -51,3 +51,9 @@ class SpeechVocab:
             bad = ids[(ids < 0) | (ids >= self.size)].tolist()
             raise DecoderInputError(f"speech ids {bad[:5]} are outside the store's vocabulary 0..{self.size - 1}")
         return (ids + self.offset).tolist()
+
+
+def eos_ids(generation_config) -> tuple[int, ...]:
+    """A generation config's eos_token_id (None, an int or a list) as a tuple of stop ids."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    return () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(int(t) for t in eos)

@@ -13,7 +13,7 @@ from importlib import import_module
 _LAZY = {
     "CandidateTree": ".tree", "SOURCES": ".tree",
     "Retriever": ".retriever", "DEFAULT_WEIGHTS": ".retriever",
-    "RemoteRetriever": ".remote", "RetrieverUnavailable": ".remote",
+    "RemoteRetriever": ".client", "RetrieverUnavailable": ".client",
 }
 
 __all__ = sorted(_LAZY)

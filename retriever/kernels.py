@@ -95,6 +95,13 @@ def shard_index(store, s):
                   store[0][s, SHARD_INDEX_ROWS] * store[0][s, SHARD_INDEX_WORDS])
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _before(key, c, upper):
+    """Whether a binary search for the first key >= c (> c when `upper`) goes on past `key`: the one rule of
+    every search here (the sampled index's, one shard's, the shards' in turn)."""
+    return key < c or (upper and key == c)
+
+
 @njit(cache=True, nogil=True)
 def index_range(store, s, a, b, depth, c, upper):
     """A part of [a, b) that holds the first entry of shard s's sa range [a, b) whose token `depth` places
@@ -120,7 +127,7 @@ def index_range(store, s, a, b, depth, c, upper):
     while lo < hi:
         m = (lo + hi) >> 1
         code = np.int64((keys[m * words + word] >> shift) & mask)
-        if code < c or (upper and code == c):
+        if _before(code, c, upper):
             lo = m + 1
         else:
             hi = m
@@ -280,31 +287,12 @@ def narrow(store, only, los, his, depth, c):
     n_shards = los.shape[0]
     if only >= 0 or n_shards == 1:
         for s in range(n_shards) if only < 0 else range(only, only + 1):
-            tokens = shard_tokens(store, s)
-            sa = shard_sa(store, s)
-            n = tokens.shape[0]
-            a, b = index_range(store, s, los[s, depth], his[s, depth], depth, c, False)
-            while a < b:
-                m = (a + b) >> 1
-                p = sa[m] - depth
-                if p < 0 or p >= n:
-                    return True
-                if tokens[p] < c:
-                    a = m + 1
-                else:
-                    b = m
+            a = _bound(store, s, los[s, depth], his[s, depth], depth, c, False)
+            b = _bound(store, s, a, his[s, depth], depth, c, True)
+            if a < 0 or b < 0:
+                return True
             los[s, depth + 1] = a
-            a, b = index_range(store, s, a, his[s, depth], depth, c, True)
-            while a < b:
-                m = (a + b) >> 1
-                p = sa[m] - depth
-                if p < 0 or p >= n:
-                    return True
-                if tokens[p] <= c:
-                    a = m + 1
-                else:
-                    b = m
-            his[s, depth + 1] = a
+            his[s, depth + 1] = b
         return False
     start = los[:, depth + 1]
     end = his[:, depth + 1]
@@ -320,6 +308,29 @@ def narrow(store, only, los, his, depth, c):
         return True
     end[:] = lo
     return False
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _bound(store, s, a, b, depth, c, upper):
+    """The first position of shard s's sa range [a, b) whose token `depth` places left is >= c (> c when
+    `upper`), the range first narrowed by the sampled index; -1 (damaged) if a probed entry points outside
+    its stream, or if `a` already is -1 (a damaged lower bound). Inlined: one shard's bounds stay in registers."""
+    if a < 0:
+        return -1
+    a, b = index_range(store, s, a, b, depth, c, upper)
+    tokens = shard_tokens(store, s)
+    sa = shard_sa(store, s)
+    n = tokens.shape[0]
+    while a < b:
+        m = (a + b) >> 1
+        p = sa[m] - depth
+        if p < 0 or p >= n:
+            return -1
+        if _before(tokens[p], c, upper):
+            a = m + 1
+        else:
+            b = m
+    return a
 
 
 @njit(cache=True, nogil=True)
@@ -338,8 +349,7 @@ def _search(store, lo, hi, depth, c, upper):
                 p = shard_sa(store, s)[m] - depth
                 if p < 0 or p >= store[0][s, SHARD_TOKENS_LEN]:
                     return True
-                v = shard_tokens(store, s)[p]
-                if v < c or (upper and v == c):
+                if _before(shard_tokens(store, s)[p], c, upper):
                     lo[s] = m + 1
                 else:
                     hi[s] = m
@@ -478,6 +488,16 @@ def build_tree(conts, n_rows, wcount, wprob, src, max_nodes):
     exactly the global top nodes and always a connected tree. Output is sorted by depth, then
     probability, i.e. topological. Returns tokens, parents, depths, counts, probs, sources.
     """
+    tok, par, dep, cnt, prb, srcw, child, sibling, root_child, nodes = _trie(conts, n_rows, wcount, wprob, src)
+    keep = _most_probable(prb, dep, child, sibling, root_child, nodes, max_nodes)
+    _topological(keep, dep, prb)
+    return _tree_arrays(keep, nodes, tok, par, dep, cnt, prb, srcw)
+
+
+@njit(cache=True, nogil=True)
+def _trie(conts, n_rows, wcount, wprob, src):
+    """The rows merged into a trie: per node its token, parent, depth, summed count and probability weights and
+    probability weight by source, first child and next sibling; the root's first child; the node count."""
     width = conts.shape[1]
     cap_nodes = n_rows * width
     tok = np.empty(cap_nodes, np.int64)  # per-node arrays are filled when a node is created:
@@ -531,6 +551,13 @@ def build_tree(conts, n_rows, wcount, wprob, src, max_nodes):
             prb[c] += wprob[r]
             srcw[c, src[r]] += wprob[r]
             node = c
+    return tok, par, dep, cnt, prb, srcw, child, sibling, root_child, nodes
+
+
+@njit(cache=True, nogil=True)
+def _most_probable(prb, dep, child, sibling, root_child, nodes, max_nodes):
+    """The `max_nodes` most probable nodes, expanded best first from the root (ties: shallower, then first
+    created), so every node kept has its parent kept."""
     keep = np.empty(min(max_nodes, nodes), np.int64)
     frontier = np.empty(nodes, np.int64)
     n_front = 0
@@ -557,8 +584,13 @@ def build_tree(conts, n_rows, wcount, wprob, src, max_nodes):
             frontier[n_front] = c
             n_front += 1
             c = sibling[c]
-    # Insertion sort by (depth, -probability, creation): parents come first.
-    for i in range(1, n_keep):
+    return keep[:n_keep]
+
+
+@njit(cache=True, nogil=True)
+def _topological(keep, dep, prb):
+    """Insertion sort of the kept nodes by (depth, -probability, creation), in place: parents come first."""
+    for i in range(1, keep.shape[0]):
         x = keep[i]
         j = i - 1
         while j >= 0:
@@ -568,6 +600,13 @@ def build_tree(conts, n_rows, wcount, wprob, src, max_nodes):
             keep[j + 1] = y
             j -= 1
         keep[j + 1] = x
+
+
+@njit(cache=True, nogil=True)
+def _tree_arrays(keep, nodes, tok, par, dep, cnt, prb, srcw):
+    """The kept nodes as a CandidateTree's arrays (tree.DTYPES), parents re-indexed, each node's source the one
+    that gave it the most probability weight."""
+    n_keep = keep.shape[0]
     index = np.full(nodes, -1, np.int64)
     for i in range(n_keep):
         index[keep[i]] = i
@@ -655,3 +694,31 @@ def finish(conts, stats, weights, max_nodes):
             wprob[r] = weights[s] * stats[s, MATCH] / total
             src[r] = s
     return build_tree(conts, n_rows, wcount, wprob, src, max_nodes)
+
+
+@njit(cache=True, nogil=True)
+def best_chain(parents, probs, token_cost):
+    """Node indices of the root path maximising sum(probs - token_cost), stopping anywhere (empty when
+    no node's prob exceeds token_cost). Nodes are in topological order; ties keep the earlier node
+    (the retriever orders siblings by count)."""
+    n = parents.shape[0]
+    below = np.zeros(n)  # the best gain of going on below node i (0: stop at i)
+    next_node = np.full(n, -1, np.int64)
+    root_gain, first = 0.0, -1
+    for i in range(n - 1, -1, -1):
+        gain = probs[i] - token_cost + below[i]
+        if gain <= 0.0:
+            continue
+        p = parents[i]
+        if p < 0:
+            if gain >= root_gain:
+                root_gain, first = gain, i
+        elif gain >= below[p]:
+            below[p], next_node[p] = gain, i
+    chain = np.empty(n, np.int64)
+    length, node = 0, first
+    while node >= 0:
+        chain[length] = node
+        length += 1
+        node = next_node[node]
+    return chain[:length]

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 from ..datastore import DamagedStoreError, Datastore, ExactStore, open_datastore
 from . import kernels
-from .tree import MAX_DEPTH, CandidateTree
+from .tree import MAX_DEPTH, MAX_NODES, CandidateTree
 
 DEFAULT_WEIGHTS = (1.0, 1.0, 1.0, 0.5)
 """Source weights (prompt, speaker, general, faiss) per gathered continuation, times match length.
@@ -54,7 +54,7 @@ class Retriever:
     """Proposes candidate trees from a datastore. Deterministic; thread-safe (calls share nothing
     mutable, and the kernels release the GIL).
 
-    max_nodes, max_depth  default budget of a proposal (the retrieval paper verifies 16 candidates)
+    max_nodes, max_depth  default budget of a proposal (tree.MAX_NODES, tree.MAX_DEPTH)
     prompt_lookup         also match the context against itself
     use_faiss             consult the FAISS store when exact stores matched fewer than
                           `faiss_below` tokens (1: only when they matched nothing)
@@ -63,7 +63,7 @@ class Retriever:
     weights               source weights (prompt, speaker, general, faiss)
     """
 
-    def __init__(self, store: str | Path | Datastore, max_nodes: int = 16, max_depth: int = MAX_DEPTH,
+    def __init__(self, store: str | Path | Datastore, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH,
                  prompt_lookup: bool = True, use_faiss: bool = True, cap: int = 32, min_support: int = 32,
                  n_min: int | None = None, n_max: int | None = None, prompt_n_min: int = 2,
                  prompt_window: int = 4096, faiss_below: int = 1, faiss_k: int = 16,

@@ -22,7 +22,15 @@ MAX_DEPTH = 8
 """How deep a proposed tree goes unless asked otherwise: the one default of the retriever, the decoder and the
 CLI (retriever.py's tuning notes: 6 and 12 accepted no more)."""
 
-FIELDS = ("tokens", "parents", "depths", "counts", "probs", "sources")
+MAX_NODES = 16
+"""How many nodes a proposal keeps when its caller sets no budget (the retrieval paper verifies 16 candidates):
+the service's answers and the vLLM drafter's trees, from which it sends one branch. A decoder sets its own budget
+on every call: `echospec.decoder.NODES` (8) by default, what one of its steps verifies fastest on a CPU."""
+
+DTYPES = {"tokens": np.int64, "parents": np.int32, "depths": np.int32, "counts": np.float32, "probs": np.float32,
+          "sources": np.uint8}
+"""Each field's dtype (the kernels' build_tree writes the same ones)."""
+FIELDS = tuple(DTYPES)
 
 
 @njit(cache=True, nogil=True)
@@ -63,6 +71,22 @@ def _gather(keep, tokens, parents, depths, counts, probs, sources):
     for new, old in enumerate(keep):
         kept_parents[new] = -1 if parents[old] < 0 else index[parents[old]]
     return tokens[keep], kept_parents, depths[keep], counts[keep], probs[keep], sources[keep]
+
+
+@njit(cache=True, nogil=True)
+def _prune_order(probs, depths, parents):
+    """Sorted by (-probability, depth, index), keeping a node only once its parent is kept."""
+    by_depth = np.argsort(depths, kind="mergesort")
+    order = by_depth[np.argsort(-probs[by_depth], kind="mergesort")]
+    taken = np.zeros(parents.shape[0], np.bool_)
+    kept = np.empty_like(order)
+    n = 0
+    for i in order:
+        if parents[i] < 0 or taken[parents[i]]:
+            taken[i] = True
+            kept[n] = i
+            n += 1
+    return kept[:n]
 
 
 def matched_path(tokens: np.ndarray, parents: np.ndarray, sequence) -> list[int]:
@@ -123,6 +147,12 @@ class CandidateTree:
         return CandidateTree.trusted(_gather(keep, self.tokens, self.parents, self.depths, self.counts,
                                              self.probs, self.sources))
 
+    def prune_order(self) -> np.ndarray:
+        """Nodes by decreasing probability, every node after its parent: keeping any prefix keeps a tree (a
+        budget of N nodes keeps the first N). A node more probable than its parent, which the retriever never
+        proposes, is dropped."""
+        return _prune_order(self.probs, self.depths, self.parents)
+
     def children(self, node: int) -> np.ndarray:
         """Indices of `node`'s children (node -1 is the root)."""
         return np.flatnonzero(self.parents == node)
@@ -139,14 +169,7 @@ class CandidateTree:
 
     @classmethod
     def empty(cls) -> "CandidateTree":
-        return cls(
-            tokens=np.zeros(0, np.int64),
-            parents=np.zeros(0, np.int32),
-            depths=np.zeros(0, np.int32),
-            counts=np.zeros(0, np.float32),
-            probs=np.zeros(0, np.float32),
-            sources=np.zeros(0, np.uint8),
-        )
+        return cls(**{name: np.zeros(0, dtype) for name, dtype in DTYPES.items()})
 
     @classmethod
     def from_sequences(
@@ -154,7 +177,7 @@ class CandidateTree:
         sequences: Iterable[Sequence[int]],
         weights: Sequence[float] | None = None,
         sources: Sequence[int] | None = None,
-        max_nodes: int = 16,
+        max_nodes: int = MAX_NODES,
         max_depth: int = MAX_DEPTH,
     ) -> "CandidateTree":
         """Merge continuations into a trie and keep the `max_nodes` most probable nodes.
@@ -180,23 +203,17 @@ class CandidateTree:
         ranked = sorted(trie.items(), key=lambda kv: (-kv[1][0], len(kv[0]), kv[1][2]))[:max_nodes]
         ranked.sort(key=lambda kv: (len(kv[0]), -kv[1][0], kv[1][2]))  # topological: by depth
         index = {prefix: i for i, (prefix, _) in enumerate(ranked)}
-        return cls(
-            tokens=np.array([p[-1] for p, _ in ranked], np.int64),
-            parents=np.array([index.get(p[:-1], -1) for p, _ in ranked], np.int32),
-            depths=np.array([len(p) for p, _ in ranked], np.int32),
-            counts=np.array([e[0] for _, e in ranked], np.float32),
-            probs=np.array([e[0] / total for _, e in ranked], np.float32),
-            sources=np.array([e[1] for _, e in ranked], np.uint8),
-        )
+        return cls.from_dict({"tokens": [p[-1] for p, _ in ranked],
+                              "parents": [index.get(p[:-1], -1) for p, _ in ranked],
+                              "depths": [len(p) for p, _ in ranked], "counts": [e[0] for _, e in ranked],
+                              "probs": [e[0] / total for _, e in ranked], "sources": [e[1] for _, e in ranked]})
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name).tolist() for name in FIELDS}
 
     @classmethod
     def from_dict(cls, data: dict) -> "CandidateTree":
-        dtypes = {"tokens": np.int64, "parents": np.int32, "depths": np.int32,
-                  "counts": np.float32, "probs": np.float32, "sources": np.uint8}
-        return cls(**{name: np.asarray(data[name], dtype) for name, dtype in dtypes.items()})
+        return cls(**{name: np.asarray(data[name], dtype) for name, dtype in DTYPES.items()})
 
     def draw(self) -> str:
         """The tree as indented text, one node a line: token, count, probability, source."""

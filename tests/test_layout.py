@@ -66,18 +66,67 @@ def test_the_acceptance_rules_load_no_numba():
     assert not {m for m in modules if m.startswith(("numba", "echospec.retriever", "echospec.datastore", "vllm"))}
 
 
-def _echospec_imports(path: Path) -> set[str]:
-    """The echospec modules a file imports, as absolute names (echospec.tools.cli.store, ...)."""
+def _echospec_imports(path: Path, names: bool = False) -> set[str]:
+    """The echospec modules a file imports, as absolute names (echospec.tools.cli.store, ...); with `names`, each
+    name imported from one too (echospec.retriever.kernels for `from ...retriever import kernels`)."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     package = ["echospec", *parts[:-1]]  # a module's package; an __init__'s is its own folder, the same list
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
             base = package[:len(package) - node.level + 1] if node.level else []
-            found.add(".".join(base + (node.module.split(".") if node.module else [])))
+            module = ".".join(base + (node.module.split(".") if node.module else []))
+            found |= {module} | ({f"{module}.{a.name}" for a in node.names} if names else set())
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
     return {name for name in found if name.startswith("echospec.")}
+
+
+# retriever/'s rooms -> the rooms of it each may import: the core (the package's own modules) serves them all; the
+# HTTP client is one room, the service another and the engine adapters a third, none importing a sibling's code but
+# the client's (the wire format the service answers in; the RemoteRetriever an engine may draft from)
+RETRIEVER_ROOMS = {"core": {"core"}, "client": {"core", "client"}, "service": {"core", "client", "service"},
+                   "engines": {"core", "client", "engines"}}
+DOCUMENTED_PATHS = {"retriever/remote.py": "client", "retriever/vllm_proposer.py": "engines"}  # re-exports
+
+
+def _retriever_room(parts: tuple[str, ...]) -> str:
+    return parts[0] if len(parts) > 1 and parts[0] in RETRIEVER_ROOMS else "core"
+
+
+def test_retriever_rooms_import_only_what_they_may():
+    wrong = {}
+    for path in (ROOT / "retriever").rglob("*.py"):
+        name = str(path.relative_to(ROOT))
+        room = DOCUMENTED_PATHS.get(name) or _retriever_room(path.relative_to(ROOT / "retriever").parts)
+        used = {_retriever_room(tuple(n.split(".")[2:]) + ("",)) for n in _echospec_imports(path)
+                if n.startswith("echospec.retriever")}
+        if used - RETRIEVER_ROOMS[room]:
+            wrong[name] = sorted(used - RETRIEVER_ROOMS[room])
+    assert wrong == {}
+    assert set(DOCUMENTED_PATHS) <= {str(p.relative_to(ROOT)) for p in (ROOT / "retriever").glob("*.py")}
+
+
+def test_outside_the_retriever_the_kernels_are_reached_through_the_replay_seam_alone():
+    # retriever/replay.py names the kernels that scripts replaying a proposal may call; the rest stay private
+    outside = [p for folder in ("datastore", "decoder", "tools") for p in (ROOT / folder).rglob("*.py")]
+    assert [str(p.relative_to(ROOT)) for p in outside
+            if "echospec.retriever.kernels" in _echospec_imports(p, names=True)] == []
+    assert any("echospec.retriever.replay" in _echospec_imports(p, names=True) for p in outside)  # the parse sees it
+
+
+def test_the_benchmarks_index_lists_every_benchmark():
+    import echospec.tools.benchmarks as benchmarks
+
+    listed = {line.split()[0] for line in benchmarks.__doc__.splitlines() if line.startswith("    ")}
+    assert listed == {p.stem for p in (ROOT / "tools" / "benchmarks").glob("*.py")} - {"__init__"}
+
+
+def test_no_module_is_over_500_lines_but_the_kernels():
+    # numba's cache is per file, so the kernels that call each other stay in one (retriever/kernels.py)
+    modules = [p for folder in MAY_IMPORT for p in (ROOT / folder).rglob("*.py")]
+    assert {str(p.relative_to(ROOT)): n for p in modules
+            if (n := len(p.read_text().splitlines())) > 500 and p != ROOT / "retriever" / "kernels.py"} == {}
 
 
 def test_developer_benchmarks_stand_apart_from_what_ships():

@@ -29,12 +29,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...datastore import DatastoreError
-from ...datastore.names import check_name as check_store_name
-from ..wire import WireError, decode_contexts, encode_trees
+from ...datastore.names import check_name
+from ..client.wire import WireError, decode_contexts, encode_trees
 from .metrics import Metrics
 from .requests import (BINARY_TYPE, BODY_TYPES, JSON_TYPE, EnrollRequest, Limits, ProposeRequest, ServiceError,
-                       Utterance, body_too_large, body_type, check_name, int64_ids, internal_error, length_within,
-                       merge_options, parse_query, route, validation_error)
+                       Utterance, body_too_large, body_type, check_request_name, int64_ids, internal_error,
+                       length_within, merge_options, parse_query, route, validation_error)
 from .stores import Snapshot, StoreHandle, parse_store_arg
 from .read_guard import StockHttpProtocol, stock_protocol_class
 
@@ -53,7 +53,7 @@ class Service:
                  retriever_options: dict | None = None, reload_interval: float | None = 1.0, docs: bool = False,
                  strict: bool = False, access: str = "auto"):
         for name in stores:
-            check_store_name("store", name)
+            check_name("store", name)
         paths = [Path(p).resolve() for p in stores.values()]
         if len(set(paths)) != len(paths):
             raise ValueError("the same datastore directory is served under two names")
@@ -197,7 +197,7 @@ class Service:
             raise ServiceError(422, "invalid_request", f"{len(speakers)} speakers for {n_contexts} contexts")
         speakers = [speaker] * n_contexts if speakers is None else speakers
         for name in set(speakers) - {None}:
-            check_name("speaker", name)
+            check_request_name("speaker", name)
             if name not in snapshot.speakers:
                 raise ServiceError(404, "unknown_speaker", f"no speaker {name!r} in this store")
         for key, value, limit in (("max_nodes", max_nodes, self.limits.max_nodes),
@@ -227,7 +227,7 @@ class Service:
     def _store(self, name: str) -> StoreHandle:
         handle = self.stores.get(name)
         if handle is None:
-            check_name("store", name)
+            check_request_name("store", name)
             raise ServiceError(404, "unknown_store", f"no store {name!r}; this service has {sorted(self.stores)}")
         return handle
 
@@ -304,7 +304,7 @@ class Service:
 
     async def _enroll(self, store: str, speaker: str, request: EnrollRequest) -> dict:
         handle = self._store(store)
-        check_name("speaker", speaker)
+        check_request_name("speaker", speaker)
         self._check_utterances(request.utterances, handle.current())
         utterances = [u.model_dump() for u in request.utterances]
         snapshot, done = await run_in_threadpool(handle.enroll, speaker, utterances, request.replace)

@@ -13,8 +13,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...datastore import DatastoreError
-from ...datastore.names import check_name as check_datastore_name
-from ..wire import BINARY
+from ...datastore.names import check_name
+from ..client.wire import BINARY
 
 BINARY_TYPE = BINARY.encode()
 JSON_TYPE = b"application/json"
@@ -59,10 +59,10 @@ def internal_error() -> ServiceError:
     return ServiceError(500, "internal", "internal error (see the service log)")
 
 
-def check_name(kind: str, name: str) -> None:
-    """The datastore's name rule (datastore/names.py), as a client error."""
+def check_request_name(kind: str, name: str) -> None:
+    """The datastore's name rule (datastore/names.py) on a name a request gives, as a client error (422)."""
     try:
-        check_datastore_name(kind, name)
+        check_name(kind, name)
     except DatastoreError as e:
         raise ServiceError(422, "invalid_name", str(e)) from None
 

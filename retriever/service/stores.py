@@ -46,8 +46,7 @@ class Snapshot:
                 ds.speaker_store(speaker)
             except DatastoreError as e:  # that speaker's proposals are a 503 (mapping it fails again); not the rest
                 log.error("%s: speaker %s's store is damaged; serving the others: %s", path, speaker, e)
-        retriever = Retriever(ds, **retriever_options)
-        retriever.propose(np.zeros(1, np.int64))  # compile/load the kernels before the first request
+        retriever = Retriever(ds, **retriever_options)  # which loads the compiled kernels before the first request
         return cls(retriever, _jsonable(ds.info()), int(retriever.vocab_size), frozenset(ds.speakers),
                    ds.speech_offset, frozenset(ds.stop_ids), stamp)
 

@@ -85,6 +85,23 @@ def test_bad_lines_name_file_and_line(tmp_path, line, message):
     assert not list(tmp_path.glob(".store*"))  # no half-written store either
 
 
+@pytest.mark.parametrize("tokens, message", [
+    ([1, -4, 3], "negative token id -4"),
+    ([12, 99, 1], "token id 99 is outside the speech range 10..19"),
+    ([12, 5, 1], "token id 5 is below the speech range (speech_offset 10)"),
+])
+def test_a_build_and_an_enrollment_refuse_the_same_ids_alike(tmp_path, tokens, message):
+    # one id rule: a build checks its corpus in batches, an enrollment each utterance as a batch of one
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"speaker": "s", "tokens": [11, 12]},
+                                                {"speaker": "s", "tokens": tokens}])
+    with pytest.raises(CorpusError, match="c.jsonl:2: " + message.replace("(", r"\(").replace(")", r"\)")):
+        build(corpus, tmp_path / "store", speech_offset=10, vocab_size=10, stop_ids=[1], faiss=False, progress=False)
+    build(write_jsonl(tmp_path / "ok.jsonl", [{"speaker": "s", "tokens": [11, 12, 13]}]), tmp_path / "store",
+          speech_offset=10, vocab_size=10, stop_ids=[1], faiss=False, progress=False)
+    with pytest.raises(CorpusError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        enroll(tmp_path / "store", "ann", [{"id": "x", "tokens": tokens}])
+
+
 def test_missing_empty_and_unreadable_corpora(tmp_path):
     with pytest.raises(CorpusError, match="corpus file not found"):
         build(tmp_path / "nope.jsonl", tmp_path / "s", progress=False)

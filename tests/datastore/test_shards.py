@@ -527,7 +527,7 @@ def test_ray_retries_a_shard_task_whose_worker_is_killed(ray_cluster, tmp_path):
 
 
 def test_service_serves_and_enrolls_a_sharded_store_unchanged(tmp_path):
-    from echospec.retriever.remote import RemoteRetriever
+    from echospec.retriever.client import RemoteRetriever
     from service_testing import API_KEY, VOCAB, Server, synthetic_corpus
     from service_testing import write_jsonl as write_rows
 

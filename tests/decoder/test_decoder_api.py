@@ -12,7 +12,6 @@ from decoder_testing import PromptLookup, Raising, Scripted, Slow, Wrong, tiny_m
 from echospec.decoder import (HF_CUSTOM_GENERATE_DIR, NODES, AdaptiveBudget, CapRates, DecoderInputError, ExactGreedy,
                               Filtered, FixedBudget, SpeechVocab, UnsupportedModelError, generate, hf_generate)
 from echospec.decoder.budget import RECHECK, TRIES
-from echospec.decoder.cost import prune_order
 from echospec.retriever import CandidateTree
 
 VOCAB = 64
@@ -145,9 +144,9 @@ def test_prune_order_keeps_a_tree_even_when_a_child_outranks_its_parent():
     tree = CandidateTree(tokens=np.arange(3), parents=np.array([-1, 0, -1], np.int32), depths=np.array([1, 2, 1], np.int32),
                          counts=np.ones(3, np.float32), probs=np.array([0.2, 0.9, 0.5], np.float32),
                          sources=np.zeros(3, np.uint8))
-    assert prune_order(tree).tolist() == [2, 0]  # node 1 comes before its parent would: dropped
+    assert tree.prune_order().tolist() == [2, 0]  # node 1 comes before its parent would: dropped
     usual = CandidateTree.from_sequences([[1, 2, 3], [1, 4], [5]], [3, 1, 1])
-    order = prune_order(usual).tolist()
+    order = usual.prune_order().tolist()
     assert sorted(order) == list(range(len(usual)))
     assert all(usual.parents[i] < 0 or order.index(int(usual.parents[i])) < order.index(i) for i in order)
 

@@ -1,4 +1,4 @@
-"""Chains for engines that verify chains (echospec.retriever.drafts): the best branch of a real store's
+"""Chains for engines that verify chains (echospec.retriever.engines): the best branch of a real store's
 tree, the speaker chosen from the prompt, per-row speakers over a real service on loopback."""
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import pytest
 from service_testing import ECHOSPEC, Server, make_store, post_json
 
 from echospec.retriever import RemoteRetriever, Retriever, RetrieverUnavailable
-from echospec.retriever.drafts import (DRAFT_WEIGHTS, ChainDrafter, RequestMemory, SpeakerChoice, best_chain, contains,
-                                       replay_chain)
-from echospec.retriever.vllm_proposer import make_drafter, read_options
+from echospec.retriever.engines import DRAFT_WEIGHTS, ChainDrafter, NullMemory, RequestMemory, SpeakerChoice
+from echospec.retriever.engines.chains import replay_chain
+from echospec.retriever.engines.proposer import make_drafter, read_options
+from echospec.retriever.engines.speakers import contains
+from echospec.retriever.kernels import best_chain
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,7 @@ def test_chains_follow_the_store_and_are_model_ids(built, retriever):
 
 def test_rows_are_independent_of_their_order_and_neighbours(built, retriever):
     _, corpus = built
-    drafter = ChainDrafter(retriever, k=8)
+    drafter = ChainDrafter(retriever, k=8, memory=RequestMemory())
     histories = [np.array(u["tokens"][:30 + i]) for i, u in enumerate(corpus[:8])]
     alone = [drafter.propose([h])[0] for h in histories]
     order = np.random.default_rng(0).permutation(len(histories))
@@ -98,25 +100,28 @@ def test_request_memory_finds_each_request_again_and_stays_bounded():
         calls.append(len(prompt))
         return f"s{int(prompt[1])}"
 
-    memory = RequestMemory(choose, capacity=4)
+    memory = RequestMemory(capacity=4)
     prompts = [np.array([0, i] + [7] * 20) for i in range(6)]
-    assert [memory.find(np.append(p, 100)).speaker for p in prompts[:3]] == ["s0", "s1", "s2"]
+    assert [memory.find(np.append(p, 100), choose).speaker for p in prompts[:3]] == ["s0", "s1", "s2"]
     assert calls == [22, 22, 22]
     # later steps of the same requests, in another order, with more output: found, not chosen again
-    assert memory.find(np.append(prompts[2], [100, 5, 6])).speaker == "s2"
-    assert memory.find(np.append(prompts[0], [100, 9])).speaker == "s0"
+    assert memory.find(np.append(prompts[2], [100, 5, 6]), choose).speaker == "s2"
+    assert memory.find(np.append(prompts[0], [100, 9]), choose).speaker == "s0"
     assert len(calls) == 3
     short = np.array([3, 4])  # a prompt shorter than the hashed head
-    assert memory.find(np.append(short, 100)).speaker is not None
-    assert memory.find(np.append(short, [100, 1])).speaker == "s4"
+    assert memory.find(np.append(short, 100), choose).speaker is not None
+    assert memory.find(np.append(short, [100, 1]), choose).speaker == "s4"
     for p in prompts[3:]:
-        memory.find(np.append(p, 100))
+        memory.find(np.append(p, 100), choose)
     assert len(memory) == 4  # bounded: the least recently used went
+    # no memory: every step is a first step, its speaker chosen again from the history less its last token
+    assert NullMemory().find(np.append(prompts[2], [100, 5]), choose).speaker == "s2" and calls[-1] == 23
+    assert len(NullMemory()) == 0
 
 
 def test_a_request_that_accepts_nothing_is_sent_nothing_and_one_that_accepts_all_keeps_its_chains(built, retriever):
     store, corpus = built
-    drafter = ChainDrafter(retriever, k=8, speaker=None)
+    drafter = ChainDrafter(retriever, k=8, speaker=None, memory=RequestMemory())
     refused, taken = np.array(corpus[0]["tokens"][:40]), np.array(corpus[1]["tokens"][:40])
     first = drafter.propose([refused, taken])
     assert first[0] and first[1]
@@ -126,14 +131,14 @@ def test_a_request_that_accepts_nothing_is_sent_nothing_and_one_that_accepts_all
         sampled = corpus[0]["tokens"][40 + step]
         refused = np.append(refused, sampled if not chains[0] or sampled != chains[0][0] else (sampled + 1) % 512)
         taken = np.append(taken, chains[1] + [corpus[1]["tokens"][40 + step]])
-    assert drafter.requests.find(refused).scale < 0.2 < 1.0 <= drafter.requests.find(taken).scale
+    assert drafter.request(refused).scale < 0.2 < 1.0 <= drafter.request(taken).scale
     assert drafter.propose([refused])[0] == []
     assert len(drafter.propose([taken])[0]) >= 1
 
 
 def test_a_prompt_served_again_is_drafted_from_its_earlier_output(built, retriever):
     _, corpus = built
-    drafter = ChainDrafter(retriever, k=8, speaker=None)
+    drafter = ChainDrafter(retriever, k=8, speaker=None, memory=RequestMemory())
     prompt, output = np.array(corpus[2]["tokens"][:30]), np.array(corpus[3]["tokens"][:80])
     for p in range(1, len(output) + 1):  # the first request, step by step: drafted from the store
         drafter.propose([np.concatenate([prompt, output[:p]])])
@@ -144,17 +149,17 @@ def test_a_prompt_served_again_is_drafted_from_its_earlier_output(built, retriev
     shifted = np.concatenate([prompt, output[:20], output[22:50]])
     assert drafter.propose([shifted]) == [output[50:58].tolist()]
     other = np.concatenate([prompt[::-1], output[:40]])  # another prompt: nothing to replay
-    assert not len(drafter.requests.find(other).replay(other, 8))
+    assert not len(drafter.request(other).replay(other, 8))
 
 
 def test_replays_that_are_rejected_are_cut_then_left_for_the_store(built, retriever):
     _, corpus = built
-    drafter = ChainDrafter(retriever, k=8, speaker=None)
+    drafter = ChainDrafter(retriever, k=8, speaker=None, memory=RequestMemory())
     prompt, output = np.array(corpus[4]["tokens"][:30]), np.array(corpus[5]["tokens"][:80])
     drafter.propose([np.concatenate([prompt, output[:1]])])  # served once: first seen after its prefill,
     drafter.propose([np.concatenate([prompt, output])])  # then near its end
     history = np.concatenate([prompt, output[:40]])
-    request = drafter.requests.find(history)
+    request = drafter.request(history)
     assert replay_chain(request.replay_rate, drafter.token_cost, 8)[0] == 8  # 0.9 ** 8 = 0.43 still pays
     for _ in range(20):  # served again, sampled: the engine takes another id than the replay's first, every time
         chain = request.replay(history, 8).tolist()
@@ -166,6 +171,18 @@ def test_replays_that_are_rejected_are_cut_then_left_for_the_store(built, retrie
     chain = best_chain(tree.parents, tree.probs * request.scale, drafter.token_cost)
     assert (tree.probs[chain] * request.scale - drafter.token_cost).sum() > 0.3 - drafter.token_cost
     assert drafter.propose([history]) == [tree.tokens[chain].tolist()]  # the store's chain is worth more now
+
+
+def test_without_memory_a_rows_chain_depends_on_its_history_alone(built, retriever):
+    _, corpus = built
+    prompt, output = np.array(corpus[2]["tokens"][:30]), np.array(corpus[3]["tokens"][:80])
+    history = np.concatenate([prompt, output[:40]])
+    fresh = ChainDrafter(retriever, k=8).propose([history])
+    remembering, forgetting = ChainDrafter(retriever, k=8, memory=RequestMemory()), ChainDrafter(retriever, k=8)
+    for drafter in (remembering, forgetting):  # the same prompt served once before, to its end
+        for p in range(1, len(output) + 1):
+            drafter.propose([np.concatenate([prompt, output[:p]])])
+    assert forgetting.propose([history]) == fresh != remembering.propose([history]) == [output[40:48].tolist()]
 
 
 def test_per_row_speakers_over_the_service_match_in_process(built, retriever):

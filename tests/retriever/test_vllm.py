@@ -28,7 +28,8 @@ import torch  # noqa: E402
 from vllm_testing import COSY_SPEECH, COSY_STOPS, cosyvoice_replica, vllm_sized, write_corpus  # noqa: E402
 
 from echospec.datastore import build  # noqa: E402
-from echospec.retriever.vllm_proposer import EchospecProposer, read_options  # noqa: E402
+from echospec.retriever.engines.proposer import read_options  # noqa: E402
+from echospec.retriever.vllm_proposer import EchospecProposer  # noqa: E402  (the path configs name)
 from echospec.tools.benchmarks.vllm_engines import Engine, tokens_per_step  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -208,9 +209,8 @@ def test_rows_keep_their_drafts_when_the_batch_is_reordered(cosyvoice):
     token_ids, lengths, sampled = batch_of([histories[i] for i in order])
     assert proposer.propose(sampled, lengths, token_ids) == [drafts[i] for i in order]
     assert proposer.propose([[], *sampled[1:]], lengths, token_ids)[0] == []  # a partial prefill: no draft
-    memory = proposer.drafter.requests
-    assert len(memory) == 4  # one speaker choice per request, found again after the reorder
-    assert {memory.find(np.array(h, np.int64)).speaker for h in histories} == {"ann", "bob"}
+    assert len(proposer.drafter.memory) == 4  # one speaker choice per request, found again after the reorder
+    assert {proposer.drafter.request(np.array(h, np.int64)).speaker for h in histories} == {"ann", "bob"}
 
 
 def test_options_are_checked_with_a_clear_message():

@@ -153,7 +153,8 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
     from ...decoder import AdaptiveBudget, CapRates, generate
     from .divergence import record_logits as recording
 
-    auto = retriever is not None and generate_options.get("max_nodes", "auto") == "auto"
+    # max_nodes "auto": an adaptive budget; none given: generate's own default (a fixed NODES), as the library's
+    auto = retriever is not None and generate_options.get("max_nodes") == "auto"
     if generate_options.get("max_nodes") == "auto":
         del generate_options["max_nodes"]
     rates = CapRates() if auto else None  # "auto": one adaptive budget's rates over this system's utterances
@@ -204,14 +205,14 @@ def make_policy(name: str, seed: int, relaxed: RelaxedSettings, sampler=None):
 def measure_cost_curve(model, speech, input_ids: list[int] | None, sizes=None, repeats: int = 5, *,
                        inputs_embeds=None, **session_options):
     """This machine's forward time against tree size for `model` after the prompt (`input_ids` or
-    `inputs_embeds`), relative to a one-token step (a CostCurve); sizes default to the decoder's CURVE_SIZES.
+    `inputs_embeds`), relative to a one-token step (a CostCurve); sizes default to CURVE_SIZES (tools/bench/cost.py).
     `session_options` (head, speech_embedding) go to the SpeculativeSession."""
     from ...decoder import ExactGreedy, SpeculativeSession
-    from ...decoder.cost import CURVE_SIZES
+    from .cost import CURVE_SIZES, session_cost_curve
 
     session = SpeculativeSession(model, None, ExactGreedy(), speech=speech, max_new_tokens=1, **session_options)
     session.prefill(input_ids=input_ids, inputs_embeds=inputs_embeds)
-    return session.measure_cost_curve(CURVE_SIZES if sizes is None else sizes, repeats=repeats)
+    return session_cost_curve(session, CURVE_SIZES if sizes is None else sizes, repeats=repeats)
 
 
 @contextmanager

@@ -52,13 +52,12 @@ def load_model(checkpoint):
         return checkpoint, None
     if (Path(checkpoint) / META_FILE).exists():
         return load_sample_tts(checkpoint)
-    from transformers import AutoModelForCausalLM
+    from ...decoder.compat import load_causal_lm
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa")
+        return load_causal_lm(checkpoint, attn_implementation="sdpa"), None
     except (OSError, ValueError) as e:
         raise BenchError(f"{checkpoint}: not a Hugging Face causal LM checkpoint ({str(e).splitlines()[0]})") from None
-    return model.eval(), None
 
 
 def on_device(model, device: str, dtype: str):
@@ -86,12 +85,11 @@ def speech_vocab(meta: TTSMeta | None, datastore, model, speech_offset=None, voc
     """The model's speech ids: the options given, else an echospec checkpoint's, else the store's (its stop
     ids, else the model's eos); the codebook layout is the store's."""
     from ...decoder import SpeechVocab
+    from ...decoder.vocab import eos_ids
 
     if meta is not None and speech_offset is None and vocab_size is None and not stop_ids:
         return SpeechVocab(meta.speech_offset, meta.speech_vocab_size, (meta.stop_id,))
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-    stops = tuple(stop_ids) or datastore.stop_ids or eos
+    stops = tuple(stop_ids) or datastore.stop_ids or eos_ids(getattr(model, "generation_config", None))
     if not stops:
         raise BenchError("no stop id: give --stop-id (the build's), or build the store with it")
     return SpeechVocab(datastore.speech_offset if speech_offset is None else int(speech_offset),

@@ -14,7 +14,6 @@ bootstrap interval over utterances.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from .harness import (
     warm_up,
 )
 from .load import DecodeInputs, decode_inputs, native_bfloat16
+from .machine import machine
 from .quality import dtw_distance
 from .report import auto_against_fixed, summarise, write_report
 
@@ -97,9 +97,9 @@ def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None 
     meta = inputs.meta
     rate = meta.frame_rate if meta is not None and token_rate is None else (token_rate or 25.0)
     report = summarise(compared, rows, token_rate=rate)
-    report["machine"] = {"threads": threads, "torch": torch.__version__, "cpus": os.cpu_count(), "device": device,
-                         "dtype": dtype, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                         "native_bfloat16": native_bfloat16(device)}
+    report["machine"] = machine(threads=threads, device=device, dtype=dtype,
+                                cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                                native_bfloat16=native_bfloat16(device))
     report["verify_cost_curve"] = curve.to_dict() | {"context_tokens": curve_context}
     report["auto_budgets"] = {name: state for name, state in budgets.items() if state}  # each cap's rate, at the end
     report["auto_against_fixed"] = auto_against_fixed(rows)
@@ -180,7 +180,7 @@ def verify_cost_curve(model, speech, prompts: list[Prompt], largest: int, contex
     forward's cost grows with the context faster than a one-token step's; after the prompt alone for
     embeddings prompts. Returns (curve, context length).
     """
-    from ...decoder.cost import CURVE_SIZES
+    from .cost import CURVE_SIZES
 
     sizes = sorted({s for s in CURVE_SIZES if s < largest} | {largest})
     prompt = max(prompts, key=lambda p: len(p.reference or ()))

@@ -3,16 +3,26 @@ harness (tools/bench/harness.py). They are not in the wheel: run them from a che
 `pip install -e`) as `python -m echospec.tools.benchmarks.NAME --help`.
 
     auto_replay         the adaptive node budget replayed on recorded decode steps against every fixed cap
+    baselines           bench_shards' builds and sorts side by side with a baseline revision's
     bench_decoder       the decoder against Hugging Face generate on a small Llama
     bench_ingest        reading a corpus: the batch readers against the per-utterance readers of a baseline
     bench_pages         proposals from a cold page cache: pages read and mapped, what a miss costs
     bench_retriever     the retriever against SuffixDecoding and REST on one corpus
     bench_service       propose over loopback HTTP beside the in-process retriever
     bench_shards        sharded builds against workers (local and Ray), proposals over 1, 4, 16 shards
+    continuation_choice which occurrences a proposal reads its continuations from, and what it costs in acceptance
     cost_curves         verify-cost curves (forward time against tree size) by shape, dtype, threads, CPU trick
     gpu_check           one command for a GPU: curves of the sample and a 0.5B shape, the sample's bench there
     grouped_heads       tree decoding with grouped KV heads handed to SDPA uncopied against transformers' copy
-    retriever_defaults  how the retriever's defaults were chosen (oracle acceptance; not a speed benchmark)
+    proposers           the proposers bench_retriever compares (echospec, REST, SuffixDecoding), each timed alone
     rest_reference      REST's retrieval algorithm written plainly: bench_retriever's reference peer
-    vllm_side_by_side   echospec as vLLM's drafter beside vLLM's own drafters (vllm_engines: the engine workers)
+    retriever_defaults  how the retriever's defaults were chosen (oracle acceptance; not a speed benchmark)
+    search_pages        the stream pages a proposal's binary searches and continuations touch, replayed
+    service_servers     the servers bench_service measures: `echospec serve`, and the HTTP stack alone (the floor)
+    vllm_engines        vLLM engines in worker processes, for vllm_side_by_side
+    vllm_side_by_side   echospec as vLLM's drafter beside vLLM's own drafters
+
+Every results file records its machine with tools/bench/machine.py's `machine()`. The scripts that replay a
+proposal part by part (continuation_choice, search_pages, bench_pages) reach the compiled kernels only through
+echospec.retriever.replay, the one seam tests/test_layout.py allows outside the retriever.
 """

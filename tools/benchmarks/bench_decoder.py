@@ -130,9 +130,9 @@ def run_bench(checkpoint, vocab, hidden, layers, prompts, prompt_length, max_new
 
     harness.pin_threads(threads)
     if checkpoint:
-        from transformers import AutoModelForCausalLM
+        from ...decoder.compat import load_causal_lm
 
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa").eval()
+        model = load_causal_lm(checkpoint, attn_implementation="sdpa")
     else:
         model = small_llama(vocab, hidden, layers, seed)
     vocab = model.get_output_embeddings().weight.shape[0]

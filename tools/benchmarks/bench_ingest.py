@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import numpy as np
 
 from ...datastore import corpus as candidate
 from ...datastore.files import atomic_file
+from ..bench.machine import machine
 from ..corpus.resample_corpus import resample, write_npz
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,8 +101,7 @@ def main_run(n_tokens: int, baseline: str, out: Path, rounds: int, seed: int, re
     started = time.perf_counter()
     formats = write_formats(n_tokens, out, seed)
     print(f"corpus written in {time.perf_counter() - started:.1f} s", file=sys.stderr)
-    result = {"machine": f"{platform.machine()}, {platform.processor() or '?'}, python {platform.python_version()}, "
-                         f"numpy {np.__version__}", "baseline": baseline, "rounds": rounds, "formats": {}}
+    result = {"machine": machine(), "baseline": baseline, "rounds": rounds, "formats": {}}
     for name, files in formats.items():
         systems = {"baseline": lambda f=files: read_old(old, f), "batches": lambda f=files: read_new(f)}
         counts = {key: run() for key, run in systems.items()}  # warm-up, and the two must agree

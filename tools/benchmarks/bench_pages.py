@@ -98,7 +98,7 @@ def mapped_kb(prefix: str) -> dict[str, int]:
 def run_variant(store: str, held: str, variant: str, n: int) -> dict:
     """In a fresh process: drop the store's pages, open it, `n` proposals cold, then warm."""
     from ...datastore import open_datastore
-    from ...retriever import Retriever, kernels
+    from ...retriever import Retriever, replay
 
     general = Path(store) / "general"
     files = sorted(general.rglob("*.npy"))
@@ -109,7 +109,7 @@ def run_variant(store: str, held: str, variant: str, n: int) -> dict:
     r = Retriever(open_datastore(store, access=access), use_faiss=False)
     opened = time.perf_counter() - opened
     if not variant.startswith("index"):
-        r._general[0][:, kernels.SHARD_INDEX_ROWS] = 0  # the kernels then search without the index
+        replay.without_index(r)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     cold = _timed(r, ctxs)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults

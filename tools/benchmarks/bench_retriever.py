@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -45,8 +44,10 @@ import numpy as np
 from ...datastore.files import atomic_file
 from ...retriever.tree import matched_depth
 from ..bench.harness import pin_threads, pyplot, save_figure
+from ..bench.machine import installed_version, machine
 from ..commands import out_option
 from ..corpus.synth_corpus import SynthConfig, generate, write_jsonl
+from .proposers import EchospecProposer, Proposer, RestProposer, SuffixProposer, feed_suffix_cache
 from .rest_reference import RestReference
 
 THREADS = 1  # every process of the run, the build children included
@@ -168,106 +169,6 @@ def build_echospec(train: Path, store: Path, per_speaker: bool, faiss: bool, voc
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-# --- systems ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class System:
-    """A proposer under test; `step` times only the proposer's own call."""
-
-    name: str
-    family: str
-    nodes: int
-    build: dict = field(default_factory=dict)
-
-    def step(self, u: int, pos: int) -> tuple[int, int, np.ndarray, np.ndarray]:
-        """(propose ns, per-request state update ns, tree tokens, tree parents) for held[u][:pos]."""
-        raise NotImplementedError
-
-    def finish(self) -> None:
-        """Forget per-request state (between passes)."""
-
-
-class EchospecSystem(System):
-    def __init__(self, name, retriever, held, speakers, nodes, build):
-        super().__init__(name, "echospec", nodes, build)
-        self.retriever, self.held, self.speakers = retriever, held, speakers
-
-    def step(self, u, pos):
-        context, speaker = self.held[u][:pos], None if self.speakers is None else self.speakers[u]
-        t = time.perf_counter_ns()
-        tree = self.retriever.propose(context, speaker=speaker, max_nodes=self.nodes)
-        elapsed = time.perf_counter_ns() - t
-        return elapsed, 0, tree.tokens, tree.parents
-
-
-class RestSystem(System):
-    def __init__(self, name, rest, held, build):
-        super().__init__(name, "REST (reference)", rest.max_nodes, build)
-        self.rest, self.held = rest, held
-
-    def step(self, u, pos):
-        context = self.held[u][:pos]
-        t = time.perf_counter_ns()
-        tree = self.rest.propose(context)
-        elapsed = time.perf_counter_ns() - t
-        return elapsed, 0, tree.tokens, tree.parents
-
-
-class SuffixSystem(System):
-    """One held-out utterance = one vLLM request: its new tokens go in with add_active_response (the
-    per-step state update vLLM pays, timed separately), then speculate() on the last max_tree_depth tokens
-    is the proposal."""
-
-    def __init__(self, name, cache, held, options, build):
-        super().__init__(name, "SuffixDecoding", options["max_spec_tokens"], build)
-        self.cache, self.options = cache, options
-        self.held = [h.astype(np.int32) for h in held]
-        self.request, self.utterance, self.fed, self.serial = None, -1, 0, 0
-
-    def step(self, u, pos):
-        if u != self.utterance or pos < self.fed:
-            self.finish()
-            self.serial += 1
-            self.request, self.utterance, self.fed = (self.name, self.serial), u, 0
-            self.cache.start_request(self.request, np.zeros(0, np.int32))
-        tokens = self.held[u]
-        update = 0
-        if pos > self.fed:
-            t = time.perf_counter_ns()
-            self.cache.add_active_response(self.request, tokens[self.fed : pos])
-            update = time.perf_counter_ns() - t
-            self.fed = pos
-        pattern = tokens[max(0, pos - self.cache.max_tree_depth) : pos]
-        t = time.perf_counter_ns()
-        draft = self.cache.speculate(self.request, pattern, **self.options)
-        elapsed = time.perf_counter_ns() - t
-        return elapsed, update, np.asarray(draft.token_ids, np.int64), np.asarray(draft.parents, np.int64)
-
-    def finish(self):
-        # The held-out utterance must not stay in the global cache: echospec's store never sees it either.
-        if self.request is not None:
-            self.cache.stop_request(self.request)
-            self.cache.evict_cached_response(self.request)
-            self.request = None
-
-
-def feed_suffix_cache(train: list[np.ndarray]):
-    try:
-        from arctic_inference.suffix_decoding import SuffixDecodingCache
-    except ImportError:
-        raise click.ClickException("SuffixDecoding peer missing: pip install nanobind==2.9.2 cmake ninja && "
-                                   "pip install --no-build-isolation arctic-inference==0.3.0")
-
-    cache = SuffixDecodingCache(max_tree_depth=SUFFIX_DEPTH, max_cached_requests=-1)
-    empty = np.zeros(0, np.int32)
-    for i, tokens in enumerate(train):
-        cache.start_request(("train", i), empty)
-        cache.add_active_response(("train", i), tokens.astype(np.int32))
-        cache.stop_request(("train", i))
-    return cache
-
-
 # --- measurements -------------------------------------------------------------------------------------------
 
 
@@ -279,7 +180,7 @@ def latency_contexts(held: list[np.ndarray], calls: int) -> list[tuple[int, int]
     return [(u, pos) for u, h in enumerate(held) for pos in range(1, len(h), stride)]
 
 
-def measure_latency(systems: list[System], contexts, warmup: int, rounds: int) -> dict[str, list[dict]]:
+def measure_latency(systems: list[Proposer], contexts, warmup: int, rounds: int) -> dict[str, list[dict]]:
     """Per system, per round: propose and per-step (update + propose) latency in µs over all contexts.
 
     Systems alternate every BATCH calls, in a fresh random order each batch: CPU contention from other
@@ -314,7 +215,7 @@ def measure_latency(systems: list[System], contexts, warmup: int, rounds: int) -
     return result
 
 
-def oracle_walk(system: System, held: list[np.ndarray]) -> dict:
+def oracle_walk(system: Proposer, held: list[np.ndarray]) -> dict:
     per_utt_tokens, per_utt_steps, accepted_drafts, sizes, times = [], [], [], [], []
     for u, utterance in enumerate(held):
         pos, steps = 1, 0
@@ -348,7 +249,7 @@ def tune_suffix(cache, tune: list[np.ndarray]) -> tuple[dict, list[dict]]:
     whose p50 (timed during the walk) stays within TUNE_BUDGET_US."""
     rows = []
     for options in SUFFIX_GRID:
-        walk = oracle_walk(SuffixSystem("grid", cache, tune, options, {}), tune)
+        walk = oracle_walk(SuffixProposer("grid", cache, tune, options, {}), tune)
         rows.append({"options": options, "tokens_per_step": walk["tokens_per_step"], "p50_us": walk["walk_p50_us"],
                      "mean_tree_nodes": walk["mean_tree_nodes"]})
     within = [r for r in rows if r["p50_us"] <= TUNE_BUDGET_US] or rows[:1]
@@ -370,20 +271,6 @@ def summarise(rounds: list[dict]) -> dict:
 
 
 # --- report -------------------------------------------------------------------------------------------------
-
-
-def machine_line() -> dict:
-    import numba
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    try:
-        from importlib.metadata import version
-        arctic = version("arctic-inference")
-    except Exception:
-        arctic = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": THREADS, "python": platform.python_version(),
-            "numpy": np.__version__, "numba": numba.__version__, "arctic_inference": arctic}
 
 
 def markdown(result: dict) -> str:
@@ -538,15 +425,15 @@ def main(corpus, n_tokens, out_dir, n_held, calls, rounds, warmup, n_tune, faiss
 
     retriever = Retriever(store, use_faiss=False)
     held_speakers = [s if s in retriever.speakers else None for s in split.held_speakers]
-    systems: list[System] = []
+    systems: list[Proposer] = []
     for nodes in (16, 32, 64):
-        systems.append(EchospecSystem(f"echospec general n{nodes}", retriever, split.held, None, nodes, es_build))
+        systems.append(EchospecProposer(f"echospec general n{nodes}", retriever, split.held, None, nodes, es_build))
     for nodes in (16, 32, 64):
-        systems.append(EchospecSystem(f"echospec speaker n{nodes}", retriever, split.held, held_speakers, nodes,
+        systems.append(EchospecProposer(f"echospec speaker n{nodes}", retriever, split.held, held_speakers, nodes,
                                       es_build))
     if faiss:
         with_faiss = Retriever(faiss_store, use_faiss=True)
-        systems.append(EchospecSystem("echospec general+FAISS n16", with_faiss, split.held, None, 16, faiss_build))
+        systems.append(EchospecProposer("echospec general+FAISS n16", with_faiss, split.held, None, 16, faiss_build))
 
     t = time.perf_counter()
     before = rss_mb()
@@ -554,20 +441,20 @@ def main(corpus, n_tokens, out_dir, n_held, calls, rounds, warmup, n_tune, faiss
     seconds = time.perf_counter() - t
     rest_build = {"tokens_per_s": n / seconds, "seconds": seconds, "bytes_per_token": rest.nbytes / n,
                   "rss_held_mb": rss_mb() - before}
-    systems.append(RestSystem("REST reference (64 nodes)", rest, split.held, rest_build))
+    systems.append(RestProposer("REST reference (64 nodes)", rest, split.held, rest_build))
     click.echo(f"REST reference built in {seconds:.1f} s")
 
     t = time.perf_counter()
     before = rss_mb()
-    cache = feed_suffix_cache(split.train)
+    cache = feed_suffix_cache(split.train, SUFFIX_DEPTH)
     seconds = time.perf_counter() - t
     sd_build = {"tokens_per_s": n / seconds, "seconds": seconds, "bytes_per_token": None,
                 "rss_held_mb": rss_mb() - before}
     click.echo(f"SuffixDecodingCache fed in {seconds:.1f} s")
     tuned, grid = tune_suffix(cache, split.tune)
     extra["SuffixDecoding tuned setting"] = json.dumps(tuned)
-    systems.append(SuffixSystem("SuffixDecoding vLLM defaults", cache, split.held, SUFFIX_DEFAULTS, sd_build))
-    systems.append(SuffixSystem("SuffixDecoding tuned", cache, split.held, tuned, sd_build))
+    systems.append(SuffixProposer("SuffixDecoding vLLM defaults", cache, split.held, SUFFIX_DEFAULTS, sd_build))
+    systems.append(SuffixProposer("SuffixDecoding tuned", cache, split.held, tuned, sd_build))
 
     contexts = latency_contexts(split.held, calls)
     latencies = measure_latency(systems, contexts, warmup, rounds)
@@ -583,10 +470,10 @@ def main(corpus, n_tokens, out_dir, n_held, calls, rounds, warmup, n_tune, faiss
         f"{mapped_rss_mb(store):.0f} MB (general + speaker stores), {mapped_rss_mb(faiss_store):.0f} MB (FAISS datastore)")
     extra["process peak RSS"] = f"{peak_rss_mb():.0f} MB"
 
-    machine = machine_line()
-    machine["loadavg_start"], machine["loadavg_end"] = load_at_start, os.getloadavg()
     result = {"corpus": f"{corpus.name}: {n} training tokens, {len(split.held)} held-out utterances, "
-                        f"{len(contexts)} latency contexts x {rounds} rounds", "command": command, "machine": machine,
+                        f"{len(contexts)} latency contexts x {rounds} rounds", "command": command,
+              "machine": machine(threads=THREADS, arctic_inference=installed_version("arctic-inference"),
+                                 load_average_at_start=list(load_at_start)),
               "systems": rows, "extra": extra, "suffix_grid": grid, "targets": targets(rows, n)}
     with atomic_file(out / "results.json") as f:
         json.dump(result, f, indent=2)

@@ -36,10 +36,8 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,7 +50,9 @@ import numpy as np
 
 from ...datastore.files import atomic_file
 from ..bench.harness import balanced_order, pin_threads
+from ..bench.machine import machine
 from ..commands import out_option
+from .service_servers import free_port, start_floor, start_service
 
 THREADS = 1  # per process: the clients, the service and this one
 MODES = ("inproc", "binary", "json", "httpx", "floor")
@@ -74,7 +74,7 @@ def make_client(mode: str, url: str, store_name: str, store_dir: str):
     if mode == "httpx":
         import httpx
 
-        from ...retriever.wire import BINARY, decode_trees, encode_contexts
+        from ...retriever.client.wire import BINARY, decode_trees, encode_contexts
 
         client = httpx.Client(timeout=10.0)
         endpoint = f"{url}/v1/stores/{store_name}/propose"
@@ -86,7 +86,7 @@ def make_client(mode: str, url: str, store_name: str, store_dir: str):
             return decode_trees(answer.content)
 
         return call
-    from ...retriever.remote import RemoteRetriever
+    from ...retriever.client import RemoteRetriever
 
     remote = RemoteRetriever(url, store=store_name, timeout=10.0, payload=mode)
     return lambda batch: remote.propose_batch([c for c, _ in batch], speaker=batch[0][1])
@@ -175,92 +175,13 @@ def app_seconds(url: str) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The service under test
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_service(store_dir: Path, store_name: str, port: int) -> subprocess.Popen:
-    from ...retriever.remote import RemoteRetriever, RetrieverUnavailable
-
-    echospec = str(Path(sys.executable).with_name("echospec"))
-    proc = subprocess.Popen([echospec, "serve", f"{store_name}={store_dir}", "--port", str(port)])
-    probe = RemoteRetriever(f"http://127.0.0.1:{port}", store=store_name, timeout=1.0, backoff=0.0)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            probe.info()
-            return proc
-        except RetrieverUnavailable:
-            if proc.poll() is not None:
-                raise SystemExit(f"the service exited with {proc.returncode}") from None
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("the service did not come up within 120 s")
-
-
-class FloorApp:
-    """The HTTP stack alone: what `serve` runs, with an app answering every request with the same bytes."""
-
-    def __init__(self, answer: bytes):
-        from ...retriever.service import Limits
-
-        self.answer = answer
-        self.limits = Limits()  # the service's defaults, which ServiceHttpProtocol reads from its app
-
-    async def __call__(self, scope, receive, send):  # everything but inline proposals: GET /metrics here
-        if scope["type"] != "http":
-            return
-        while (await receive()).get("more_body"):
-            pass
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
-        await send({"type": "http.response.body", "body": b""})
-
-    def answer_binary_propose(self, store, query, body, started):  # ServiceHttpProtocol's inline path
-        return 200, b"application/x-echospec", self.answer
-
-
-def serve_floor(port: int, answer: bytes) -> None:
-    import uvicorn
-
-    from ...retriever.service import ServiceHttpProtocol
-
-    uvicorn.run(FloorApp(answer), host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                server_header=False, http=ServiceHttpProtocol, proxy_headers=False, lifespan="off")
-
-
-def start_floor(store_dir: str, utterances: list[dict], port: int):
-    """`serve_floor` in a forked process, answering with the tree of a typical request."""
-    from ...retriever import Retriever
-    from ...retriever.wire import encode_trees
-
-    (context, speaker), = make_requests(utterances, 1, 1, seed=0)[0]
-    answer = encode_trees([Retriever(store_dir).propose(context, speaker=speaker)])
-    proc = mp.get_context("fork").Process(target=serve_floor, args=(port, answer), daemon=True)
-    proc.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("the floor server did not come up within 30 s")
-
-
-# ---------------------------------------------------------------------------------------------------
 # Where the time goes: py-spy samples of the service, grouped
 
 CATEGORIES = (  # first match wins, checked from the innermost frame outwards
     ("response write: loopback send, waking the client (and waiting while it runs)",
      ("_HeldWrites.flush", "ServiceHttpProtocol.on_message_complete")),
     ("retriever: propose (numba kernels, tree)", ("retriever/retriever.py", "retriever/tree.py")),
-    ("wire: decode contexts / encode trees", ("retriever/wire.py",)),
+    ("wire: decode contexts / encode trees", ("retriever/client/wire.py",)),
     ("metrics (prometheus_client)", ("prometheus_client", "Metrics.")),
     ("uvicorn + httptools: HTTP parsing, response", ("uvicorn/", "httptools", "_OneWriteCycle", "HttpToolsProtocol",
                                                       "ServiceHttpProtocol")),
@@ -295,7 +216,7 @@ def codec_costs(store_dir: str, utterances: list[dict], lengths=(100, 500, 2000)
 
     from ...retriever import CandidateTree, Retriever
     from ...retriever.service import ProposeRequest
-    from ...retriever.wire import decode_contexts, decode_trees, encode_contexts, encode_trees
+    from ...retriever.client.wire import decode_contexts, decode_trees, encode_contexts, encode_trees
 
     retriever = Retriever(store_dir)
     stream = np.concatenate([np.array(u["tokens"], np.int64) for u in utterances[:2000]])
@@ -394,8 +315,8 @@ def main(store_dir, corpus, tokens, concurrency, batches, modes, rounds, seconds
             service.wait(30)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report["setup"] = {"python": platform.python_version(), "cpus": os.cpu_count(), "threads_per_process": THREADS,
-                       "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(),
+    report["machine"] = machine(threads_per_process=THREADS)
+    report["setup"] = {"load_average_at_start": load_at_start, "load_average_at_end": report["machine"]["load_average"],
                        "rounds": rounds, "seconds_per_cell": seconds,
                        "think_ms": think_ms, "mean_context_tokens": mean_context_tokens(utterances)}
     with atomic_file(out / f"service{'_think' if think_ms else ''}.json") as f:
@@ -411,7 +332,7 @@ def run(url, server_pid, store_dir, utterances, concurrency, batches, modes, rou
     floor = None
     if "floor" in modes and 1 in batches:
         port = free_port()
-        floor = start_floor(store_dir, utterances, port)
+        floor = start_floor(store_dir, make_requests(utterances, 1, 1, seed=0)[0][0], port)
         targets["floor"] = (f"http://127.0.0.1:{port}", floor.pid)
     try:
         return {"cells": run_cells(targets, store_dir, utterances, concurrency, batches, modes, rounds, seconds,

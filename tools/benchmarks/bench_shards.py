@@ -25,14 +25,10 @@ is read in parallel too), one held-out split:
 
 from __future__ import annotations
 
-import io
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -46,8 +42,10 @@ from ...datastore.pipeline import SORT_BYTES_PER_TOKEN, TASK_BASE_BYTES
 from ...retriever import Retriever
 from ...retriever.tree import matched_depth
 from ..bench.harness import pin_threads
+from ..bench.machine import machine
 from ..corpus.resample_corpus import Resampled, resample, write_npz
 from ..corpus.synth_corpus import SynthConfig, generate
+from .baselines import build_side_by_side, sort_side_by_side
 
 THREADS = 1  # per process: the build's parallelism is its worker processes, pinned through the environment
 BATCH = 50
@@ -261,94 +259,6 @@ def _sort_random(tokens: int) -> float:
         return time.perf_counter() - started
 
 
-def sort_side_by_side(n_tokens: int, baseline: str, rounds: int, seed: int) -> dict:
-    """A store's arrays (stream, sa, first, index: what write_exact_stream computes) from one resampled corpus
-    by `baseline`'s datastore/exact.py and today's, alternating over `rounds` after a warm-up, in CPU seconds
-    (this machine is shared) and wall seconds; the two must give identical arrays."""
-    from ...datastore import exact
-    from .bench_ingest import baseline_module
-
-    old = baseline_module(baseline, path="datastore/exact.py")
-    corpus = resample(n_tokens, seed)
-    segments = np.split(corpus.tokens, np.cumsum(corpus.lengths)[:-1])
-    vocab = corpus.vocab_size
-
-    def arrays(module):
-        stream = module.concat_segments(segments, vocab)
-        sa = module.suffix_array(stream, vocab, 8)
-        return stream, sa, module.first_index(stream, sa, vocab), module.sampled_index(stream, sa, vocab, 8)
-
-    small = segments[:1000]
-    for module in (old, exact):  # compile (or load the cache) outside the clock
-        module.suffix_array(module.concat_segments(small, vocab), vocab, 8)
-    times = {"baseline": [], "now": []}
-    for _ in range(rounds):
-        results = {}
-        for key, module in (("baseline", old), ("now", exact)):
-            wall, cpu = time.perf_counter(), time.process_time()
-            results[key] = arrays(module)
-            times[key].append((time.process_time() - cpu, time.perf_counter() - wall))
-        assert all(np.array_equal(a, b) for a, b in zip(results["baseline"], results["now"])), "arrays differ"
-        del results
-    tokens = int(corpus.lengths.sum())
-    row = {k: {"cpu_s": sorted(c for c, _ in v), "wall_s": sorted(w for _, w in v)} for k, v in times.items()}
-    for v in row.values():
-        v["m_tokens_per_cpu_s"] = tokens / float(np.median(v["cpu_s"])) / 1e6
-    return {"baseline": baseline, "tokens": tokens, "rounds": rounds, **row,
-            "speedup_cpu": float(np.median(row["baseline"]["cpu_s"]) / np.median(row["now"]["cpu_s"]))}
-
-
-BUILD_CALL = ("import json, sqlite3, sys, time; from echospec.datastore import build; started = time.perf_counter(); "
-              "build(sys.argv[1], sys.argv[2], shards=int(sys.argv[3]), workers=1, faiss=False, progress=False, "
-              "force=True); seconds = time.perf_counter() - started; "
-              "meta = dict(sqlite3.connect(sys.argv[2] + '/catalog.sqlite').execute('SELECT key, value FROM meta')); "
-              "print(json.dumps({'seconds': seconds, 'phases': json.loads(meta['build_phases'])}))")
-
-
-def build_side_by_side(corpus: str, out: Path, shards: int, baseline: str, rounds: int) -> dict:
-    """One-process builds (general + speaker stores) by `baseline`'s echospec.datastore and today's, alternating
-    over `rounds`, each in a fresh process: the whole build, what one phase's figures cannot show."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(baseline_package(baseline)),
-                                                                     os.environ.get("PYTHONPATH")]))}
-    warm_up = out / "warm-up.jsonl"  # a small build first, outside the clock: numba compiles (or loads its cache)
-    warm_up.write_text("".join(json.dumps({"id": f"w{i}", "speaker": "s", "tokens": [i % 7, 3, 5, i % 11]}) + "\n"
-                               for i in range(50)))
-    runs = {"baseline": [], "now": []}
-    for timed in [False] + [True] * rounds:
-        for key, environment in (("baseline", env), ("now", None)):
-            store = out / f"store-side-by-side-{shards}"
-            done = subprocess.run([sys.executable, "-c", BUILD_CALL, corpus if timed else str(warm_up), str(store),
-                                   str(shards)], env=environment, capture_output=True, text=True)
-            if done.returncode:
-                raise click.ClickException(f"the {key} build failed:\n{done.stderr[-3000:]}")
-            if timed:
-                runs[key].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            shutil.rmtree(store)
-    median = {k: float(np.median([r["seconds"] for r in v])) for k, v in runs.items()}
-    return {"baseline": baseline, "shards": shards, "rounds": rounds, "runs": runs, "median_seconds": median,
-            "time_ratio": median["now"] / median["baseline"],
-            "time_ratios": [n["seconds"] / b["seconds"] for b, n in zip(runs["baseline"], runs["now"])]}
-
-
-def baseline_package(revision: str) -> Path:
-    """A folder holding echospec/datastore as it was at `revision` (git archive): first on PYTHONPATH, it is the
-    echospec.datastore a build imports (a build needs nothing else of echospec)."""
-    from .bench_ingest import REPO
-
-    root = Path(tempfile.gettempdir()) / "echospec-baselines" / f"package-{revision}"
-    if not (root / "echospec" / "datastore").is_dir():
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", revision, "datastore"], check=True,
-                                 capture_output=True).stdout
-        root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=root.parent))
-        (tmp / "echospec").mkdir()
-        tarfile.open(fileobj=io.BytesIO(archive)).extractall(tmp / "echospec", filter="data")
-        (tmp / "echospec" / "__init__.py").touch()
-        shutil.rmtree(root, ignore_errors=True)
-        tmp.rename(root)
-    return root
-
-
 def projection(builds: dict, memory: dict, pairs: dict) -> dict:
     """15 B tokens on paper, from the measured figures: one worker's whole-build throughput (reading, the
     general shards and the speaker stores), a shard task's memory, the driver's catalog rate, and how much
@@ -434,7 +344,7 @@ def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, us
                        f"of {rounds}; now / baseline per round: "
                        + ", ".join(f"{r:.2f}" for r in side["time_ratios"]) + ")")
     if phases_only:
-        result = {"machine": _machine(), "corpus": kind, "corpus_tokens": n_train, "phased": phased,
+        result = {"machine": machine(threads=THREADS), "corpus": kind, "corpus_tokens": n_train, "phased": phased,
                   "sort_side_by_side": sort, "seconds": time.perf_counter() - started}
         with atomic_file(out / "phases.json") as f:
             json.dump(result, f, indent=2)
@@ -475,7 +385,7 @@ def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, us
     for b in builds.values():
         b["speedup"] = b["tokens_per_s"] / one["tokens_per_s"]
         b["efficiency"] = b["speedup"] / b["workers"]
-    result = {"machine": _machine(), "corpus": kind, "phased": phased, "sort_side_by_side": sort,
+    result = {"machine": machine(threads=THREADS), "corpus": kind, "phased": phased, "sort_side_by_side": sort,
               "corpus_tokens": n_train, "held_out": len(held), "build_shards": build_shards,
               "builds": builds, "sort_pairs": pairs, "stores": stores, "task_memory": memory_fit(tasks),
               "projection": projection(builds, memory_fit(tasks), pairs),
@@ -485,11 +395,6 @@ def main(n_tokens, out, n_files, build_shards, latency_shards, worker_counts, us
     with atomic_file(out / "shards.md") as f:
         f.write(phases_markdown(result) + "\n" + markdown(result))
     click.echo(phases_markdown(result) + "\n" + markdown(result))
-
-
-def _machine() -> dict:
-    return {"cores": os.cpu_count(), "threads": THREADS, "python": platform.python_version(),
-            "load_average": os.getloadavg()}
 
 
 def phases_markdown(result: dict) -> str:

@@ -19,33 +19,33 @@ import click
 import numpy as np
 
 from ...datastore import open_datastore
-from ...retriever import Retriever, kernels
+from ...retriever import Retriever, replay
 from ...retriever.tree import CandidateTree
 from .bench_shards import oracle
 
 def propose(r: Retriever, ctx: np.ndarray, near: int) -> CandidateTree | None:
     """The general store's tree for `ctx`, its `cap` rows the `near` occurrences around the longer suffix (as
     gather_store takes all of them) and the rest spread evenly over the matched range."""
-    store, s = r._general, r._settings
-    los, his, counts, d = kernels.match(store, ctx, s[kernels.SETTING_N_MIN], s[kernels.SETTING_N_MAX],
-                                        s[kernels.SETTING_MIN_SUPPORT])
-    if d < s[kernels.SETTING_N_MIN]:
+    store, s = replay.general_store(r), replay.settings(r)
+    los, his, counts, d = replay.match(store, ctx, s[replay.SETTING_N_MIN], s[replay.SETTING_N_MAX],
+                                       s[replay.SETTING_MIN_SUPPORT])
+    if d < s[replay.SETTING_N_MIN]:
         return None
     lo, hi, count = los[0, d], his[0, d], counts[d]
-    m = min(count, s[kernels.SETTING_CAP])
+    m = min(count, s[replay.SETTING_CAP])
     k = min(near, m)
     start = min(max(lo, ((los[0, d + 1] + his[0, d + 1]) >> 1) - k // 2), hi - k)
     spread = lo + ((np.arange(m - k) + 0.5) * count / max(m - k, 1)).astype(np.int64)
     entries = np.concatenate([np.arange(start, start + k), spread])
-    stream, sa = kernels.shard_tokens(store, 0), kernels.shard_sa(store, 0)
+    stream, sa = replay.shard_tokens(store, 0), replay.shard_sa(store, 0)
     conts = np.full((m, r.max_depth), -1, np.int64)
     for row, entry in enumerate(entries):
-        kernels.copy_continuation(stream, sa[entry] + 1, s[kernels.SETTING_VOCAB_SIZE], conts, row)
-    kernels.sort_rows(conts, 0, m)
-    stats = np.zeros((kernels.N_SOURCES, 4), np.int64)
-    kernels.record(stats, kernels.GENERAL, 0, m, d, count)
-    stats[kernels.FAISS, kernels.FIRST_ROW] = m
-    return CandidateTree.trusted(kernels.finish(conts, stats, r.weights, r.max_nodes))
+        replay.copy_continuation(stream, sa[entry] + 1, s[replay.SETTING_VOCAB_SIZE], conts, row)
+    replay.sort_rows(conts, 0, m)
+    stats = np.zeros((replay.N_SOURCES, 4), np.int64)
+    replay.record(stats, replay.GENERAL, 0, m, d, count)
+    stats[replay.FAISS, replay.FIRST_ROW] = m
+    return CandidateTree.trusted(replay.finish(conts, stats, r.weights, r.max_nodes))
 
 
 class Chosen:

@@ -4,7 +4,7 @@
         --threads 1,2 --out runs/cost-curves
 
 Random weights (a forward's cost does not depend on them) except for the shipped sample model; `--context`
-tokens in the cache; `SpeculativeSession.measure_cost_curve` (all sizes timed round-robin, each round
+tokens in the cache; `tools/bench/cost.py`'s `session_cost_curve` (all sizes timed round-robin, each round
 relative to its own one-token step, median over rounds). `--variants` adds `mkldnn` (every nn.Linear's
 weight prepacked for oneDNN: `echospec.decoder.prepack`), `repeat-kv` (tree forwards as transformers runs them
 by default, the KV cache copied per query head: what `echospec.decoder.gqa` saves) and, for float32, `compile`

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import click
 
 from ...datastore.files import atomic_file
 from ..bench.harness import DTYPES, POLICIES, pyplot, save_figure
+from ..bench.machine import cpu_name, machine
 from ..commands import out_option
 
 
@@ -40,8 +40,8 @@ def gpu_check(device: str = "cuda", dtype: str = "bfloat16", out_dir="runs/gpu-c
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cuda = device.startswith("cuda")
-    report = {"device": device, "dtype": dtype, "torch": torch.__version__, "python": platform.python_version(),
-              "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+    report = {"machine": machine(device=device, dtype=dtype,
+                                 device_name=torch.cuda.get_device_name(device) if cuda else cpu_name()),
               "tiny": tiny, "curves": {}}
     started = time.perf_counter()
     for shape in ("sample", "tiny" if tiny else "cosyvoice2"):
@@ -85,7 +85,7 @@ def plot(report: dict, path: Path) -> None:
                     label=f"{shape} ({1e3 * curve['seconds'][0]:.2f} ms a token)")
     curves.axhline(1.0, color="grey", linestyle="--")
     curves.set(xlabel="tree nodes verified", ylabel="forward time / one-token step",
-               title=f"Verify-cost curves: {report['device_name']}, {report['dtype']}")
+               title=f"Verify-cost curves: {report['machine']['device_name']}, {report['machine']['dtype']}")
     curves.legend(fontsize=8)
     names = [n for n in report["bench"] if n not in ("autoregressive", "ar-sampling")]
     speed.barh(names, [report["bench"][n]["speedup"] for n in names], color="tab:blue", label="wall-clock speed-up")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -135,7 +134,7 @@ def serve(store: Path) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from echospec.retriever.drafts import DRAFT_WEIGHTS  # the in-process proposer's weights, for a fair comparison
+    from echospec.retriever.engines import DRAFT_WEIGHTS  # the in-process proposer's weights, for a fair comparison
     command = [str(Path(sys.executable).with_name("echospec")), "serve", str(store), "--port", str(port),
                "--weights", ",".join(map(str, DRAFT_WEIGHTS))]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -229,8 +228,8 @@ def replay_drafters(store: Path, meta, runs: list[tuple[list[int], list[int]]], 
     chain and suffix's draft (an oracle: no proposer knows which one will be accepted). Then every run is served
     again, in the same order, to the chain drafter and SuffixDecoding ("..., again"), each remembering the first pass."""
     from echospec.retriever import Retriever
-    from echospec.retriever.drafts import local_speech
-    from echospec.retriever.vllm_proposer import make_drafter
+    from echospec.retriever.engines.speakers import local_speech
+    from echospec.retriever.engines.proposer import make_drafter
     try:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
         cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
@@ -272,14 +271,14 @@ def steps_taken(output: list[int], accepts) -> int:
 
 def draft_accepts(drafter, prompt: list[int], output: list[int], p: int) -> int:
     """How many tokens of a ChainDrafter's chain for the history prompt + output[:p] the output goes on with."""
-    from echospec.retriever.drafts import prefix_length
+    from echospec.retriever.engines.memory import prefix_length
     return prefix_length(drafter.propose([np.array(prompt + output[:p])])[0], output[p:])
 
 
 def suffix_accepts(cache, request: int, prompt: list[int], output: list[int], k: int) -> np.ndarray:
     """What SuffixDecoding's draft would accept at every position of output, vLLM's way: the request's tokens
     added as they come, then cached with the earlier ones."""
-    from echospec.retriever.drafts import prefix_length
+    from echospec.retriever.engines.memory import prefix_length
     accepted = np.zeros(len(output), np.int64)
     cache.start_request(request, np.array(prompt, np.int32))
     for p in range(1, len(output)):
@@ -337,8 +336,9 @@ def plot(rows: list[dict], path: Path) -> None:
 def write_report(out: Path, summary: list[dict], replay: dict | None, rounds: int, max_tokens: int,
                  rules: dict) -> str:
     """vllm.json, vllm.md and vllm.png under `out`; returns the table."""
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, one engine thread"
-    (out / "vllm.json").write_text(json.dumps({"machine": machine, "rows": summary, "rounds": rounds,
+    from ..bench.machine import machine  # here: the engines have started (numba must not load before vLLM)
+
+    (out / "vllm.json").write_text(json.dumps({"machine": machine(engine_threads=1), "rows": summary, "rounds": rounds,
                                                "replayed_greedy": replay, "max_tokens": max_tokens,
                                                "relaxed_rules": rules}, indent=1))
     text = table(summary)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ...retriever.tree import MAX_DEPTH
+from ...retriever.tree import MAX_DEPTH, MAX_NODES
 from ..commands import fail_cleanly, needs_extra
 
 
@@ -19,7 +19,7 @@ from ..commands import fail_cleanly, needs_extra
               help="Largest request body.")
 @click.option("--max-batch", default=256, show_default=True, type=click.IntRange(min=1),
               help="Most contexts in one propose request.")
-@click.option("--max-nodes", default=16, show_default=True, type=click.IntRange(min=0),
+@click.option("--max-nodes", default=MAX_NODES, show_default=True, type=click.IntRange(min=0),
               help="Default node budget of a proposal (a request may ask for another).")
 @click.option("--max-depth", default=MAX_DEPTH, show_default=True, type=click.IntRange(min=1),
               help="Default depth of a proposal (a request may ask for another).")

@@ -16,7 +16,7 @@ import numpy as np
 from ...datastore import N_MAX, N_MIN, DatastoreError, open_datastore
 from ...datastore import build as build_datastore
 from ...datastore import enroll as enroll_speaker
-from ...retriever.tree import MAX_DEPTH
+from ...retriever.tree import MAX_DEPTH, MAX_NODES
 from ..commands import fail_cleanly
 
 
@@ -148,7 +148,7 @@ HELP = """type token ids (spaces or commas) to see the proposal for that context
 @click.argument("store", type=click.Path(path_type=Path))
 @click.option("--context", help="One-shot: propose for these ids (e.g. '12 7 7 301') and exit.")
 @click.option("--speaker", help="Use this speaker's store too.")
-@click.option("--max-nodes", default=16, show_default=True, type=click.IntRange(min=1),
+@click.option("--max-nodes", default=MAX_NODES, show_default=True, type=click.IntRange(min=1),
               help="Most nodes of a proposed tree.")
 @click.option("--max-depth", default=MAX_DEPTH, show_default=True, type=click.IntRange(min=1),
               help="Deepest path of a proposed tree, in tokens.")
@@ -221,9 +221,8 @@ class _QuerySession:
 
     def open(self, store) -> None:
         from ...retriever import Retriever
-        self.retriever = Retriever(open_datastore(store), **self.options)
+        self.retriever = Retriever(open_datastore(store), **self.options)  # its kernels loaded before timing
         self.store = store
-        self.retriever.propose(np.zeros(1, np.int64))  # load the compiled kernels before timing
 
     def use_speaker(self, speaker: str | None) -> None:
         if speaker is not None and speaker not in self.retriever.speakers:

@@ -125,10 +125,11 @@ def decode_speech(meta: TTSMeta, model_ids: Sequence[int]) -> list[int]:
 def load_sample_tts(path: str | os.PathLike = SAMPLE_MODEL_DIR, dtype=None):
     """(model, meta): an echospec TTS checkpoint (default: the shipped sample) in eval mode, float32 unless told."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from ...decoder.compat import load_causal_lm
 
     meta = TTSMeta.load(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    model = load_causal_lm(path, dtype or torch.float32)
     if model.config.vocab_size < meta.vocab_size:
         raise PromptError(f"{path}: model vocabulary {model.config.vocab_size} < metadata's {meta.vocab_size}")
-    return model.eval(), meta
+    return model, meta

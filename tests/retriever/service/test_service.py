@@ -13,9 +13,9 @@ import pytest
 from service_testing import API_KEY, VOCAB, Server, copy_store, make_store, post_json, request, resident_bytes, vm_flags
 
 from echospec.retriever import Retriever
-from echospec.retriever.remote import RemoteRetriever, RetrieverUnavailable
+from echospec.retriever.client import RemoteRetriever, RetrieverUnavailable
 from echospec.retriever.tree import FIELDS, CandidateTree
-from echospec.retriever.wire import BINARY, WireError, decode_contexts, decode_trees, encode_contexts, encode_trees
+from echospec.retriever.client.wire import BINARY, WireError, decode_contexts, decode_trees, encode_contexts, encode_trees
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from service_testing import API_KEY, Server, make_store
 
 from echospec.datastore import open_datastore
 from echospec.retriever import Retriever
-from echospec.retriever.remote import RemoteRetriever, RetrieverUnavailable
+from echospec.retriever.client import RemoteRetriever, RetrieverUnavailable
 
 UTTERANCES_PER_ENROLL = 20
 

@@ -12,7 +12,7 @@ from service_testing import API_KEY, VOCAB, Server, copy_store, make_store, post
 
 from echospec.datastore import build, open_datastore
 from echospec.retriever import Retriever
-from echospec.retriever.remote import RemoteRetriever, RetrieverUnavailable
+from echospec.retriever.client import RemoteRetriever, RetrieverUnavailable
 
 
 def test_a_damaged_speaker_store_is_refused_and_the_others_answer(tmp_path):

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from echospec.datastore import build
 from echospec.decoder import ExactGreedy, SpeechVocab, generate
 from echospec.retriever import Retriever
-from echospec.retriever.remote import RemoteRetriever
+from echospec.retriever.client import RemoteRetriever
 
 torch.set_num_threads(1)
 VOCAB = 64

@@ -16,7 +16,7 @@ import pytest
 from service_testing import API_KEY, Server, copy_store, make_store, post_json, request
 
 from echospec.retriever import Retriever
-from echospec.retriever.wire import BINARY, encode_contexts
+from echospec.retriever.client.wire import BINARY, encode_contexts
 
 READ_TIMEOUT = 1.0
 MODES = {"fast": {}, "stock": {"uvicorn_version": "0.0.1"}}  # see test_service.MODES

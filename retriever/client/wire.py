@@ -18,15 +18,14 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from .tree import FIELDS, SOURCES, CandidateTree, tree_is_valid
+from ..tree import DTYPES, SOURCES, CandidateTree, tree_is_valid
 
 BINARY = "application/x-echospec"
 JSON = "application/json"
 
-TREE_COLUMNS = (("tokens", np.int64), ("parents", np.int32), ("depths", np.int32),
-                ("counts", np.float32), ("probs", np.float32), ("sources", np.uint8))
-"""CandidateTree's arrays in wire order, with their in-memory dtypes (little-endian on the wire)."""
-assert tuple(name for name, _ in TREE_COLUMNS) == FIELDS  # decode_trees hands columns to CandidateTree.trusted
+TREE_COLUMNS = tuple(DTYPES.items())
+"""CandidateTree's arrays in wire order (its fields' order: decode_trees hands columns to CandidateTree.trusted),
+with their in-memory dtypes (little-endian on the wire)."""
 _LITTLE = {dtype: np.dtype(dtype).newbyteorder("<") for _, dtype in TREE_COLUMNS}
 _U32 = struct.Struct("<I")
 _ONE_TREE = struct.Struct("<II")  # n = 1, then its size
