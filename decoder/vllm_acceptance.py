@@ -269,60 +269,69 @@ def _sample(self, logits, spec_decode_metadata):
                                                             -1, dtype=torch.int32, device=logits.device),
                                logprobs_tensors=None)
     discard = self.discard_request_mask.np
-    for row, (request, relaxed) in rows.items():
-        if discard[row]:  # a partial prefill: its token is thrown away
-            continue
-        tokens = sample_row(self, state, row, request, relaxed, logits, spec_decode_metadata)
-        output.sampled_token_ids[row] = -1
-        output.sampled_token_ids[row, :len(tokens)] = torch.tensor(tokens, dtype=output.sampled_token_ids.dtype)
+    chains = [Chain(row, request, relaxed, spec_decode_metadata) for row, (request, relaxed) in rows.items()
+              if not discard[row]]  # a discarded row is a partial prefill: its token is thrown away
+    distributions = target_distributions(batch.sampling_metadata, logits, chains)
+    for chain, (scores, q) in zip(chains, distributions):
+        rule, generator = chain.relaxed
+        groups = state.token_groups(self.get_model(), rule.options["threshold"]) \
+            if rule.policy in ("similarity", "pcg") else None
+        tokens = walk_chain(rule, scores, q, chain.drafts, chain.output, chain.stop_ids, generator, groups)
+        output.sampled_token_ids[chain.row] = -1
+        output.sampled_token_ids[chain.row, :len(tokens)] = torch.tensor(tokens,
+                                                                           dtype=output.sampled_token_ids.dtype)
     return output
 
 
-def sample_row(runner, state: RelaxedState, row: int, request, relaxed, logits, spec) -> list[int]:
-    """The tokens a relaxed row emits this step: its drafts as far as the rule accepts them, then its own token."""
-    rule, generator = relaxed
-    n = spec.num_draft_tokens[row]
-    end = int(spec.cu_num_sampled_tokens[row])
-    first = int(spec.cu_num_draft_tokens[row]) - n
-    drafts = spec.draft_token_ids[first:first + n].tolist()
-    params, output = request.sampling_params, list(request.output_token_ids)
-    scores, q = target_distributions(runner.input_batch.sampling_metadata, row, logits[end - n - 1:end], drafts,
-                                     params, output)
-    groups = state.token_groups(runner.get_model(), rule.options["threshold"]) \
-        if rule.policy in ("similarity", "pcg") else None
-    return walk_chain(rule, scores, q, drafts, output, tuple(params.all_stop_token_ids), generator, groups)
+class Chain:
+    """One relaxed row this step: its drafts, the rows of `logits` it owns (one per chain position), its output."""
+
+    def __init__(self, row: int, request, relaxed, spec):
+        self.row, self.relaxed, self.params = row, relaxed, request.sampling_params
+        n = spec.num_draft_tokens[row]
+        self.end = int(spec.cu_num_sampled_tokens[row])
+        self.start = self.end - n - 1
+        first = int(spec.cu_num_draft_tokens[row]) - n
+        self.drafts = spec.draft_token_ids[first:first + n].tolist()
+        self.output = list(request.output_token_ids)
+        self.stop_ids = tuple(sorted(self.params.all_stop_token_ids))
 
 
-def target_distributions(metadata, row: int, logits: torch.Tensor, drafts: list[int], params, output: list[int]):
-    """(scores, q) on the CPU, one row per chain position: the logits with vLLM's penalties (over the request's
-    `output` and the drafts before each position), allowed ids and min_tokens applied — what Filtered ranks — and
-    the distribution vLLM samples from there (temperature, top-k, top-p; one-hot at the argmax when greedy)."""
+def target_distributions(metadata, logits: torch.Tensor, chains: list[Chain]) -> list[tuple[torch.Tensor, ...]]:
+    """Per chain (scores, q) on the CPU, one row per chain position: the logits with vLLM's penalties (over the
+    request's output and the drafts before each position), allowed ids and min_tokens applied — what Filtered
+    ranks — and the distribution vLLM samples from there (temperature, top-k, top-p; one-hot at the argmax when
+    greedy). All chains' positions at once, as vLLM's own sampler does them."""
     from vllm.v1.sample.ops.penalties import apply_all_penalties
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    positions = len(drafts) + 1
-    scores = logits.float().clone()
+    if not chains:
+        return []
+    sizes = [c.end - c.start for c in chains]
+    owner = torch.repeat_interleave(torch.tensor([c.row for c in chains]), torch.tensor(sizes)).to(logits.device)
+    scores = logits[torch.cat([torch.arange(c.start, c.end) for c in chains]).to(logits.device)].float()
     if not metadata.no_penalties:
-        def each(values):
-            return values[row:row + 1].repeat(positions)
-        scores = apply_all_penalties(scores, metadata.prompt_token_ids[row:row + 1].repeat(positions, 1),
-                                     each(metadata.presence_penalties), each(metadata.frequency_penalties),
-                                     each(metadata.repetition_penalties),
-                                     [output + drafts[:j] for j in range(positions)])
+        scores = apply_all_penalties(scores, metadata.prompt_token_ids[owner], metadata.presence_penalties[owner],
+                                     metadata.frequency_penalties[owner], metadata.repetition_penalties[owner],
+                                     [c.output + c.drafts[:j] for c in chains for j in range(c.end - c.start)])
     if metadata.allowed_token_ids_mask is not None:
-        scores.masked_fill_(metadata.allowed_token_ids_mask[row:row + 1], float("-inf"))
-    stops = sorted(params.all_stop_token_ids)
-    for j in range(positions):
-        if stops and len(output) + j < params.min_tokens:
-            scores[j, stops] = float("-inf")
-    if params.temperature < 1e-5:  # vLLM's greedy
-        q = torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float()
-        return scores.cpu(), q.cpu()
-    warped = scores / params.temperature
-    top_k = None if metadata.top_k is None else metadata.top_k[row:row + 1].expand(positions)
-    top_p = None if metadata.top_p is None else metadata.top_p[row:row + 1].expand(positions)
-    warped = apply_top_k_top_p(warped, top_k, top_p)
-    return scores.cpu(), torch.softmax(warped, dim=-1).cpu()
+        scores.masked_fill_(metadata.allowed_token_ids_mask[owner], float("-inf"))
+    position = 0
+    for c, size in zip(chains, sizes):
+        for j in range(size):
+            if c.stop_ids and len(c.output) + j < c.params.min_tokens:
+                scores[position + j, list(c.stop_ids)] = float("-inf")
+        position += size
+    temperature = torch.tensor([c.params.temperature for c in chains]).repeat_interleave(torch.tensor(sizes))
+    greedy = temperature < 1e-5  # vLLM's greedy
+    warped = scores / torch.where(greedy, 1.0, temperature).to(scores.device)[:, None]
+    warped = apply_top_k_top_p(warped, None if metadata.top_k is None else metadata.top_k[owner],
+                               None if metadata.top_p is None else metadata.top_p[owner])
+    q = torch.softmax(warped, dim=-1)
+    if bool(greedy.any()):
+        onehot = torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float()
+        q = torch.where(greedy.to(q.device)[:, None], onehot, q)
+    return list(zip(scores.cpu().split(sizes), q.cpu().split(sizes)))
 
 
 def walk_chain(rule: Rule, scores: torch.Tensor, q: torch.Tensor, drafts: list[int], generated: list[int],
