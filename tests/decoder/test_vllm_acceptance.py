@@ -183,6 +183,19 @@ def test_a_bad_option_is_a_clear_error_for_its_request(replica, fixed):
         patched.generate(prompts[:2], [params(), params({"policy": "typical"})])
 
 
+def test_vllm_serve_takes_the_option_as_a_json_string_in_vllm_xargs():
+    from pydantic import ValidationError
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    rule = {"policy": "filtered", "tau": 40}
+    request = CompletionRequest.model_validate({"model": "tts", "prompt": [1, 2, 3], "temperature": 0.8,
+                                                "vllm_xargs": {"echospec": json.dumps(rule)}})
+    params = request.to_sampling_params(max_tokens=50)
+    assert vllm_acceptance.read_rule(params.extra_args) == ("filtered", {"tau": 40, "win_size": 10, "tau_r": 0.1})
+    with pytest.raises(ValidationError):  # vllm_xargs' values are flat: the object itself is refused
+        CompletionRequest.model_validate({"model": "tts", "prompt": [1], "vllm_xargs": {"echospec": rule}})
+
+
 # ---- the shipped sample model, drafted from its store -----------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -63,12 +63,14 @@ def speculative_config(system: str, k: int) -> dict | None:
     return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
 
 
-def echospec_options(system: str, store: Path, meta, url: str | None) -> dict | None:
+def echospec_options(system: str, store: Path, meta, url: str | None, token_cost: float | None = None) -> dict | None:
     """The proposer's options: the sample model names its speaker with a token, so the speaker store is
     chosen from that token (speaker_tokens); the store's ids are local, the model's start at speech_offset."""
     if not system.startswith("echospec"):
         return None
     options: dict = {"speech_offset": meta.speech_offset}
+    if token_cost is not None:
+        options["token_cost"] = token_cost
     if system == "echospec-general":
         options["speaker"] = None
     else:
@@ -364,8 +366,10 @@ def write_report(out: Path, summary: list[dict], replay: dict | None, rounds: in
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(dir_okay=False),
               default=str(SAMPLE_DIR / "tokenizer.npz"), show_default=True,
               help="The checkpoint's tokenizer.npz, for the sampling cells' log-mel distortion.")
+@click.option("--token-cost", type=float, default=None, show_default="the proposer's",
+              help="echospec's token_cost: a chain keeps nodes whose probability is above it.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/vllm", show_default=True)
-def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, tokenizer_path, out_dir):
+def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, tokenizer_path, token_cost, out_dir):
     from ..corpus.tts_prompt import TTSMeta, encode_prompt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -387,7 +391,7 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
     try:
         for k in map(int, ks.split(",")):
             click.echo(f"k = {k}: starting {len(set(engine_of.values()))} engines", err=True)
-            engines = {s: Engine(model_dir, speculative_config(s, k), echospec_options(s, store, meta, url),
+            engines = {s: Engine(model_dir, speculative_config(s, k), echospec_options(s, store, meta, url, token_cost),
                                  max_num_seqs=max(map(int, batches.split(","))))
                        for s in dict.fromkeys(engine_of.values())}
             try:
