@@ -5,7 +5,9 @@
     tree = r.propose(context, speaker="ann")   # context: prompt speech tokens + output so far
 
 `echospec.retriever.tree` (the CandidateTree contract the decoder imports) needs only numpy and numba,
-so the package's other names are imported on first use, not here.
+so the package's other names are imported on first use, not here. The rooms beside this core (docs/layout.md):
+`client` (RemoteRetriever and the wire format), `service` (echospec serve), `engines` (the vLLM proposer and
+its chain drafter).
 """
 
 from importlib import import_module
