@@ -13,7 +13,8 @@ Formats
   * ``.npz`` with ``tokens`` (all utterances concatenated, 1-D ints) and ``lengths`` (1-D ints),
     optionally ``ids`` and ``speakers`` (1-D string arrays of the same length as ``lengths``).
   * ``.parquet`` with a ``tokens`` list-of-integers column, optionally ``id`` and ``speaker``; other
-    columns are kept in the catalog. Needs pyarrow (the ``ray`` extra installs it).
+    columns are kept in the catalog. Text columns may be dictionary-encoded, large_string or string_view.
+    Needs pyarrow (the ``ray`` extra installs it).
 
 A corpus is one or more files or glob patterns ("shards/*.parquet"). A build reads it in units
 that tasks can read independently: a JSONL or .npz file, or one Parquet row group.
@@ -351,7 +352,7 @@ def _read_parquet_group(path: Path, group: int, vocab: Vocabulary) -> Iterator[B
     others = [name for name in table.column_names if name not in ("tokens", "id", "speaker")]
     extras = None
     if others:  # other fields go to the catalog row by row
-        columns = [table.column(name).to_pylist() for name in others]
+        columns = [_plain_text(table.column(name)).to_pylist() for name in others]
         extras = [dict(zip(others, values_)) for values_ in zip(*columns)]
     yield _batch(str(path), "row", np.arange(first_row, first_row + len(offsets) - 1, dtype=np.int64),
                  values[offsets[0]:offsets[-1]], np.diff(offsets), vocab, ids=ids, speakers=speakers, extras=extras)
@@ -364,14 +365,26 @@ def _parquet_names(table, name: str, path: Path, first_row: int) -> list | None:
 
     if name not in table.column_names:
         return None
-    column = table.column(name)
-    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
-            or pa.types.is_integer(column.type) or pa.types.is_null(column.type)):
+    column = _plain_text(table.column(name))
+    if not (pa.types.is_string(column.type) or pa.types.is_integer(column.type) or pa.types.is_null(column.type)):
         row = first_row + int(np.argmax(column.is_valid().to_numpy(zero_copy_only=False)))
         raise CorpusError(f"{path}:row {row}: '{name}' must be a string")
     if pa.types.is_integer(column.type):
         column = pc.cast(column, pa.string())
     return column.to_pylist()
+
+
+def _plain_text(column):
+    """An Arrow column as the reader expects text: dictionary-encoded values (pandas categoricals, and what many
+    Parquet writers make of a repeated string column) decoded, large_string and string_view as string. The
+    values are the same strings; only their encoding differs. Columns of other types are returned as they are."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    kind = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
+    if pa.types.is_large_string(kind) or pa.types.is_string_view(kind):
+        kind = pa.string()
+    return column if kind == column.type else pc.cast(column, kind)
 
 
 # --- checking and mapping ids ------------------------------------------------------------------------------

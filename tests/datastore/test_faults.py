@@ -267,3 +267,82 @@ def test_kill_9_of_a_sharded_build_leaves_no_worker_running(tmp_path):
     assert still_running(workers) == [], "processes of the killed build are still running"
     subprocess.run(command, check=True, timeout=300)
     open_datastore(tmp_path / "store", verify=True)
+
+
+def processes_of(driver, mark, known):
+    """Add to `known` (a set of pid, start time) the processes a driver started: its descendants, and those carrying
+    `mark` in their environment whose parent died before they were seen. Returns the ones running."""
+    known.update(descendants(driver.pid))
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark in environ.read_bytes().split(b"\0"):
+                known.update(descendants(int(environ.parent.name)) | {
+                    (int(environ.parent.name), (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()[19])})
+        except OSError:
+            pass
+    return still_running(known)
+
+
+def agents_titled(processes):
+    """Whether Ray's agents have set their titles (which erases their environment in /proc)."""
+    return any(command_line(pid).startswith("ray::DashboardAgent") for pid in still_running(processes))
+
+
+def command_line(pid):
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:100]
+    except OSError:
+        return "(ended)"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process tree from /proc")
+def test_kill_9_of_a_ray_build_leaves_no_process_running_after_5_s(tmp_path):
+    """Issue 48: a Ray build whose driver was killed mid-build left Ray's dashboard and runtime-env agents running
+    (they poll for the raylet, then report to the dead GCS; setproctitle had erased the mark the reaper looked
+    for). The test follows every process the driver starts, as a tree, while the build runs; once the driver
+    is killed none may outlive it by more than 5 s. The re-run resumes, and leaves nothing either."""
+    pytest.importorskip("ray")
+    rng = np.random.default_rng(1)
+    write_corpus(tmp_path / "c.jsonl", 1, n_utts=60)
+    big = rng.integers(0, 2000, 800_000)  # its shard takes a second or more: killed while a shard builds
+    np.savez(tmp_path / "big.npz", tokens=big, lengths=np.array([len(big)]), ids=np.array(["big"]))
+    script = tmp_path / "build.py"
+    script.write_text("from echospec.datastore import build\n"
+                      f"build([{str(tmp_path / 'c.jsonl')!r}, {str(tmp_path / 'big.npz')!r}], "
+                      f"{str(tmp_path / 'store')!r}, shards=2, ray='auto', per_speaker=False, faiss=False, "
+                      "progress=False)\n")
+    mark = f"ECHOSPEC_TEST_BUILD={tmp_path.name}-{os.getpid()}"
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **dict([mark.split("=")])}
+    bystander = subprocess.Popen(["sleep", "600"])  # no process of the build: it must be left running
+    driver, started = subprocess.Popen([sys.executable, str(script)], env=env), set()
+    try:
+        deadline = time.monotonic() + 240
+        while not (list(tmp_path.glob(".store.work-*/shards/*/task.json")) and agents_titled(started)) \
+                and time.monotonic() < deadline:  # mid-build, with the issue's survivors up
+            assert driver.poll() is None, "the build ended before it could be killed"
+            processes_of(driver, mark.encode(), started)
+            time.sleep(0.05)
+        assert any("raylet" in command_line(pid) for pid in processes_of(driver, mark.encode(), started))
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    killed = time.monotonic()
+    while processes_of(driver, mark.encode(), started) and time.monotonic() < killed + 5:
+        time.sleep(0.05)
+    running = {pid: command_line(pid) for pid in processes_of(driver, mark.encode(), started)}
+    for pid in running:  # on failure: no process left behind by the test
+        os.kill(pid, signal.SIGKILL)
+    assert not running, f"running {time.monotonic() - killed:.1f} s after the driver was killed: {running}"
+    assert bystander.poll() is None
+    bystander.kill()
+    rerun, started = subprocess.Popen([sys.executable, str(script)], env=env), set()
+    while rerun.poll() is None:
+        processes_of(rerun, mark.encode(), started)
+        time.sleep(0.1)
+    assert rerun.returncode == 0
+    ended = time.monotonic()
+    while processes_of(rerun, mark.encode(), started) and time.monotonic() < ended + 5:
+        time.sleep(0.05)
+    assert processes_of(rerun, mark.encode(), started) == []
+    open_datastore(tmp_path / "store", verify=True)

@@ -552,50 +552,6 @@ def test_service_serves_and_enrolls_a_sharded_store_unchanged(tmp_path):
     assert len(open_datastore(tmp_path / "voices", verify=True).shards) == 4
 
 
-def marked_processes(driver_pid):
-    """Processes of the Ray cluster a build in process `driver_pid` started (runners.CLUSTER_MARK)."""
-    from echospec.datastore.runners import CLUSTER_MARK
-
-    mark = f"{CLUSTER_MARK}={driver_pid}-".encode()
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if any(entry.startswith(mark) for entry in environ.read_bytes().split(b"\0")):
-                found.append(int(environ.parent.name))
-        except OSError:
-            pass
-    return found
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
-def test_kill_9_of_a_ray_build_leaves_no_ray_process_and_a_rerun_resumes(tmp_path):
-    """A driver that started its own local Ray cluster is killed mid-build: Ray's dashboard and runtime-env
-    agents outlived it; the reaper beside the build kills every process of that cluster now."""
-    corpus, _ = corpus_with_a_big_utterance(tmp_path, 2)
-    script = tmp_path / "build.py"
-    script.write_text("from echospec.datastore import build\n"
-                      f"build({[str(c) for c in corpus]!r}, {str(tmp_path / 'store')!r}, shards=2, ray='auto', "
-                      "per_speaker=False, faiss=False, progress=False)\n")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    driver = subprocess.Popen([sys.executable, str(script)], env=env)
-    deadline = time.monotonic() + 240
-    while not list(tmp_path.glob(".store.work-*/shards/*/task.json")) and time.monotonic() < deadline:
-        assert driver.poll() is None, "the build ended before it could be killed"
-        time.sleep(0.05)
-    assert marked_processes(driver.pid), "no process of the build's Ray cluster was found"
-    driver.send_signal(signal.SIGKILL)
-    driver.wait()
-    deadline = time.monotonic() + 30
-    while marked_processes(driver.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert marked_processes(driver.pid) == []
-    rerun = subprocess.Popen([sys.executable, str(script)], env=env)
-    assert rerun.wait(300) == 0
-    assert marked_processes(rerun.pid) == []  # a build that ends leaves nothing either
-    open_datastore(tmp_path / "store", verify=True)
-
-
 def test_a_work_file_damaged_during_a_build_is_one_line_and_read_again(tmp_path):
     """Damage after the driver's checks (a disk error mid-build): the shard task says so in one line and removes
     the unit, so that the next run partitions it again."""

@@ -14,6 +14,7 @@ harness (tools/bench/harness.py). They are not in the wheel: run them from a che
     cost_curves         verify-cost curves (forward time against tree size) by shape, dtype, threads, CPU trick
     gpu_check           one command for a GPU: curves of the sample and a 0.5B shape, the sample's bench there
     grouped_heads       tree decoding with grouped KV heads handed to SDPA uncopied against transformers' copy
+    killed_ray_build    how long a Ray build's processes outlive its killed driver (not a speed benchmark)
     proposers           the proposers bench_retriever compares (echospec, REST, SuffixDecoding), each timed alone
     rest_reference      REST's retrieval algorithm written plainly: bench_retriever's reference peer
     retriever_defaults  how the retriever's defaults were chosen (oracle acceptance; not a speed benchmark)
