@@ -89,103 +89,64 @@ def _sampler(policy: str, sampler, default):
     return sampler
 
 
-class ExactGreedy(Policy):
-    """Lossless greedy: the output is token for token `model.generate(do_sample=False)`'s."""
-
-    exact = True
-
-    def choose(self, logits, child_tokens, state):
-        token = int(torch.argmax(mask_blocked(logits, state)))
-        return _match(child_tokens, token), token
+# ---- The rules, each written once: the tree walk below calls them per node with its children, and the vLLM
+# plugin (vllm_acceptance) per chain position with its one draft. A rule's options and their defaults are the
+# policy classes'. ----
 
 
-class ExactSampling(Policy):
-    """Lossless sampling: at each node draw the token the sampler would draw there; follow the child with it.
-
-    Drafts are deterministic, so following the drawn token is rejection sampling with acceptance q(x):
-    the output is distributed exactly as autoregressive sampling with `sampler` (Sampler or RAS).
-    """
-
-    exact = True
-
-    def __init__(self, sampler: Sampler | RAS | None = None, *, seed: int | torch.Generator | None = None):
-        super().__init__(seed=seed)
-        self.sampler = _sampler("ExactSampling", sampler, Sampler())
-
-    def choose(self, logits, child_tokens, state):
-        token = self.sampler.sample(logits, state, self.generator)
-        return _match(child_tokens, token), token
-
-
-class Filtered(Policy):
-    """The retrieval paper's filtered acceptance (relaxed).
-
-    A draft token is accepted when the target ranks it within its top `tau` and it passes the RAS
-    repetition rule (it occurs fewer than `win_size * tau_r` times in the last `win_size` generated
-    tokens — cuts retrieved loops). Among passing children the target's most likely wins; otherwise the
-    bonus token is drawn by `sampler`. Trades: the output is no longer distributed as the target's
-    sampler — any of the top-`tau` tokens may be emitted regardless of its probability.
-    """
-
-    exact = False
-
-    def __init__(self, sampler: Sampler | RAS | None = None, *, tau: int = 512, win_size: int = 10,
-                 tau_r: float = 0.1, seed: int | torch.Generator | None = None):
-        super().__init__(seed=seed)
-        if tau < 1:
-            raise ValueError(f"Filtered needs tau >= 1, got {tau}")
-        self.tau, self.win_size, self.tau_r = tau, win_size, tau_r
-        self.sampler = _sampler("Filtered", sampler, RAS())
-
-    def _passes(self, scores: torch.Tensor, token: int, state: NodeState) -> bool:
-        rank = int((scores > scores[token]).sum())
-        repeats = list(state.generated[-self.win_size:]).count(token)
-        return rank < self.tau and bool(torch.isfinite(scores[token])) and repeats < self.win_size * self.tau_r
-
-    def choose(self, logits, child_tokens, state):
-        token = self.sampler.sample(logits, state, self.generator)  # the bonus token, unless a draft passes
-        if not child_tokens or token in state.stop_ids:  # the end of speech is decided exactly
-            return None, token
-        scores = mask_blocked(logits.float(), state)
-        passing = [i for i, t in enumerate(child_tokens) if self._passes(scores, t, state)]
-        if passing:
-            best = max(passing, key=lambda i: float(scores[child_tokens[i]]))
-            return best, child_tokens[best]
+def filtered_choice(token: int, scores: torch.Tensor, child_tokens: Sequence[int], generated: Sequence[int],
+                    stop_ids: Sequence[int], tau: int, win_size: int, tau_r: float) -> tuple[int | None, int]:
+    """Filtered's rule at one position: (index into child_tokens accepted or None, token emitted). `token` is the
+    sampler's draw there, emitted unless a draft passes; `scores` the target's logits with blocked ids at -inf;
+    `generated` the output before this position. A draft passes when it ranks within the top `tau` of `scores`
+    and occurs fewer than win_size * tau_r times in the last `win_size` generated tokens; the likeliest passing
+    draft wins. A drawn stop token is emitted: the end of speech is decided exactly."""
+    if not child_tokens or token in stop_ids:
         return None, token
+    recent = list(generated[-win_size:]) if win_size else []
+
+    def passes(draft: int) -> bool:
+        rank = int((scores > scores[draft]).sum())
+        return rank < tau and bool(torch.isfinite(scores[draft])) and recent.count(draft) < win_size * tau_r
+
+    passing = [i for i, t in enumerate(child_tokens) if passes(t)]
+    if passing:
+        best = max(passing, key=lambda i: float(scores[child_tokens[i]]))
+        return best, child_tokens[best]
+    return None, token
 
 
-class Tolerance(Policy):
-    """SSD's tolerance rule for deterministic drafts (relaxed): accept draft x when r < q(x) + beta, r ~ U(0, 1).
+def tolerance_choice(q: torch.Tensor, child_tokens: Sequence[int], stop_ids: Sequence[int], beta: float,
+                     generator) -> tuple[int | None, int]:
+    """Tolerance's rule at one position with at least one draft: (index accepted or None, token emitted), q the
+    sampler's distribution. The end of speech is decided exactly first; then drafts, likeliest first, are accepted
+    when r < q(x) + beta, r ~ U(0, 1), a rejected draft's mass leaving q (recursive rejection sampling); the
+    token emitted otherwise is drawn from what is left."""
+    stop, q = decide_stop(q, stop_ids, generator)
+    if stop is not None:
+        return None, stop
+    q = q.clone()
+    for i in sorted(range(len(child_tokens)), key=lambda i: -float(q[child_tokens[i]])):
+        token = child_tokens[i]
+        if float(torch.rand(1, generator=generator)) < float(q[token]) + beta:
+            return i, token
+        q[token] = 0.0
+        q = q / q.sum()
+    return None, int(torch.multinomial(q, 1, generator=generator))
 
-    Children are tried most likely first; a rejected child's mass is removed from q and q renormalised
-    (recursive rejection sampling), and the bonus token is drawn from what is left. With beta = 0 this
-    is exact sampling; beta > 0 trades distribution fidelity for acceptance (beta = 1 accepts every draft).
-    """
 
-    exact = False
-
-    def __init__(self, sampler: Sampler | RAS | None = None, *, beta: float = 0.1,
-                 seed: int | torch.Generator | None = None):
-        super().__init__(seed=seed)
-        if beta < 0:
-            raise ValueError(f"Tolerance needs beta >= 0, got {beta}")
-        self.beta = beta
-        self.sampler = _sampler("Tolerance", sampler, Sampler())
-
-    def choose(self, logits, child_tokens, state):
-        if not child_tokens:  # q itself, drawn as autoregressive sampling draws it, at its cost
-            return None, self.sampler.sample(logits, state, self.generator)
-        stop, q = decide_stop(self.sampler.distribution(logits, state), state.stop_ids, self.generator)
-        if stop is not None:
-            return None, stop
-        q = q.clone()
-        for i in sorted(range(len(child_tokens)), key=lambda i: -float(q[child_tokens[i]])):
-            token = child_tokens[i]
-            if float(torch.rand(1, generator=self.generator)) < float(q[token]) + self.beta:
-                return i, token
-            q[token] = 0.0
-            q = q / q.sum()
-        return None, int(torch.multinomial(q, 1, generator=self.generator))
+def decide_stop(q: torch.Tensor, stop_ids: Sequence[int], generator) -> tuple[int | None, torch.Tensor]:
+    """The end of speech, decided exactly: a stop token drawn with its own probability under q, else None
+    and q without the stop tokens, renormalised (the relaxed rule then runs on that)."""
+    stops = list(stop_ids)
+    if not stops:
+        return None, q
+    p_stop = float(q[stops].sum())
+    if p_stop > 0 and float(torch.rand(1, generator=generator)) < p_stop:
+        return stops[int(torch.multinomial(q[stops], 1, generator=generator))], q
+    q = q.clone()
+    q[stops] = 0.0
+    return None, q / q.sum()
 
 
 class TokenGroups:
@@ -220,18 +181,18 @@ class TokenGroups:
         return [self._members[t] for t in tokens]
 
 
-def decide_stop(q: torch.Tensor, stop_ids: Sequence[int], generator) -> tuple[int | None, torch.Tensor]:
-    """The end of speech, decided exactly: a stop token drawn with its own probability under q, else None
-    and q without the stop tokens, renormalised (the relaxed rule then runs on that)."""
-    stops = list(stop_ids)
-    if not stops:
-        return None, q
-    p_stop = float(q[stops].sum())
-    if p_stop > 0 and float(torch.rand(1, generator=generator)) < p_stop:
-        return stops[int(torch.multinomial(q[stops], 1, generator=generator))], q
-    q = q.clone()
-    q[stops] = 0.0
-    return None, q / q.sum()
+def similarity_choice(token: int, child_tokens: Sequence[int], stop_ids: Sequence[int],
+                      groups: TokenGroups) -> tuple[int | None, int]:
+    """SimilarityGroups' rule at one position with at least one draft: (index accepted or None, token emitted),
+    `token` the sampler's draw there. The draft equal to it wins, else the draft most similar to it if that one
+    is in its group; a drawn stop has no substitute."""
+    if token in child_tokens or token in stop_ids:
+        return _match(child_tokens, token), token
+    similarity = groups.similarity(child_tokens, token)
+    best = int(torch.argmax(similarity))
+    if float(similarity[best]) >= groups.threshold:
+        return best, child_tokens[best]
+    return None, token
 
 
 def group_distribution(q: torch.Tensor, groups: TokenGroups) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,6 +246,85 @@ def group_rejection(q: torch.Tensor, child_tokens: Sequence[int], stop_ids: Sequ
     return None, int(inside[torch.multinomial(weights, 1, generator=generator)]), group
 
 
+class ExactGreedy(Policy):
+    """Lossless greedy: the output is token for token `model.generate(do_sample=False)`'s."""
+
+    exact = True
+
+    def choose(self, logits, child_tokens, state):
+        token = int(torch.argmax(mask_blocked(logits, state)))
+        return _match(child_tokens, token), token
+
+
+class ExactSampling(Policy):
+    """Lossless sampling: at each node draw the token the sampler would draw there; follow the child with it.
+
+    Drafts are deterministic, so following the drawn token is rejection sampling with acceptance q(x):
+    the output is distributed exactly as autoregressive sampling with `sampler` (Sampler or RAS).
+    """
+
+    exact = True
+
+    def __init__(self, sampler: Sampler | RAS | None = None, *, seed: int | torch.Generator | None = None):
+        super().__init__(seed=seed)
+        self.sampler = _sampler("ExactSampling", sampler, Sampler())
+
+    def choose(self, logits, child_tokens, state):
+        token = self.sampler.sample(logits, state, self.generator)
+        return _match(child_tokens, token), token
+
+
+class Filtered(Policy):
+    """The retrieval paper's filtered acceptance (relaxed).
+
+    A draft token is accepted when the target ranks it within its top `tau` and it passes the RAS
+    repetition rule (it occurs fewer than `win_size * tau_r` times in the last `win_size` generated
+    tokens — cuts retrieved loops). Among passing children the target's most likely wins; otherwise the
+    bonus token is drawn by `sampler`. Trades: the output is no longer distributed as the target's
+    sampler — any of the top-`tau` tokens may be emitted regardless of its probability.
+    """
+
+    exact = False
+
+    def __init__(self, sampler: Sampler | RAS | None = None, *, tau: int = 512, win_size: int = 10,
+                 tau_r: float = 0.1, seed: int | torch.Generator | None = None):
+        super().__init__(seed=seed)
+        if tau < 1:
+            raise ValueError(f"Filtered needs tau >= 1, got {tau}")
+        self.tau, self.win_size, self.tau_r = tau, win_size, tau_r
+        self.sampler = _sampler("Filtered", sampler, RAS())
+
+    def choose(self, logits, child_tokens, state):
+        token = self.sampler.sample(logits, state, self.generator)  # the bonus token, unless a draft passes
+        return filtered_choice(token, mask_blocked(logits.float(), state), child_tokens, state.generated,
+                               state.stop_ids, self.tau, self.win_size, self.tau_r)
+
+
+class Tolerance(Policy):
+    """SSD's tolerance rule for deterministic drafts (relaxed): accept draft x when r < q(x) + beta, r ~ U(0, 1).
+
+    Children are tried most likely first; a rejected child's mass is removed from q and q renormalised
+    (recursive rejection sampling), and the bonus token is drawn from what is left. With beta = 0 this
+    is exact sampling; beta > 0 trades distribution fidelity for acceptance (beta = 1 accepts every draft).
+    """
+
+    exact = False
+
+    def __init__(self, sampler: Sampler | RAS | None = None, *, beta: float = 0.1,
+                 seed: int | torch.Generator | None = None):
+        super().__init__(seed=seed)
+        if beta < 0:
+            raise ValueError(f"Tolerance needs beta >= 0, got {beta}")
+        self.beta = beta
+        self.sampler = _sampler("Tolerance", sampler, Sampler())
+
+    def choose(self, logits, child_tokens, state):
+        if not child_tokens:  # q itself, drawn as autoregressive sampling draws it, at its cost
+            return None, self.sampler.sample(logits, state, self.generator)
+        return tolerance_choice(self.sampler.distribution(logits, state), child_tokens, state.stop_ids, self.beta,
+                                self.generator)
+
+
 class SimilarityGroups(Policy):
     """PCG's coarse-grained acceptance, simplified (relaxed): accept a child whose similarity group holds the
     sampled token.
@@ -318,13 +358,9 @@ class SimilarityGroups(Policy):
 
     def choose(self, logits, child_tokens, state):
         token = self.sampler.sample(logits, state, self.generator)
-        if not child_tokens or token in child_tokens or token in state.stop_ids:  # a stop has no substitute
-            return _match(child_tokens, token), token
-        similarity = self._groups().similarity(child_tokens, token)
-        best = int(torch.argmax(similarity))
-        if float(similarity[best]) >= self.threshold:
-            return best, child_tokens[best]
-        return None, token
+        if not child_tokens:
+            return None, token
+        return similarity_choice(token, child_tokens, state.stop_ids, self._groups())
 
 
 class GroupRejection(SimilarityGroups):

