@@ -282,11 +282,17 @@ class Filtered(Policy):
     tokens — cuts retrieved loops). Among passing children the target's most likely wins; otherwise the
     bonus token is drawn by `sampler`. Trades: the output is no longer distributed as the target's
     sampler — any of the top-`tau` tokens may be emitted regardless of its probability.
+
+    Default tau = 160: the fastest setting of the sample's measured frontier (120 held-out prompts, SIM, WER,
+    MOS, log-likelihood and log-mel DTW paired against autoregressive sampling; docs/results.md) whose every
+    measure stayed inside the baseline's 95% interval: 1.38x there, 0.31 of its 512 speech ids (the paper used
+    512 of CosyVoice 2's 6561, a 0.08 share). tau <= 20 raised the log-likelihood 6-8% (mode-seeking). On another
+    vocabulary, sweep it (`echospec bench --sweep tau=...`).
     """
 
     exact = False
 
-    def __init__(self, sampler: Sampler | RAS | None = None, *, tau: int = 512, win_size: int = 10,
+    def __init__(self, sampler: Sampler | RAS | None = None, *, tau: int = 160, win_size: int = 10,
                  tau_r: float = 0.1, seed: int | torch.Generator | None = None):
         super().__init__(seed=seed)
         if tau < 1:
@@ -306,11 +312,15 @@ class Tolerance(Policy):
     Children are tried most likely first; a rejected child's mass is removed from q and q renormalised
     (recursive rejection sampling), and the bonus token is drawn from what is left. With beta = 0 this
     is exact sampling; beta > 0 trades distribution fidelity for acceptance (beta = 1 accepts every draft).
+
+    Default beta = 0.4: the fastest setting of the sample's measured frontier whose every measure stayed inside
+    the baseline's interval (1.36x; docs/results.md); 0.6 and 0.8 were faster but moved the log-likelihood by
+    more than 5%.
     """
 
     exact = False
 
-    def __init__(self, sampler: Sampler | RAS | None = None, *, beta: float = 0.1,
+    def __init__(self, sampler: Sampler | RAS | None = None, *, beta: float = 0.4,
                  seed: int | torch.Generator | None = None):
         super().__init__(seed=seed)
         if beta < 0:
@@ -334,11 +344,15 @@ class SimilarityGroups(Policy):
     with `sampler`; the child with that token wins, else the most similar child in the token's group.
     Trades: an accepted child may differ from the sampled token, only within its acoustic neighbourhood; the
     groups emitted are not distributed as the target's (GroupRejection's are).
+
+    Default threshold = 0.1: the loosest setting tried on the sample's measured frontier, and the fastest
+    (1.52x; docs/results.md); no measure saw a loss down to it, but the sample's stand-in vocoder and ASR resolve
+    little (WER near 95% even on its reference tokens): re-sweep with your model's own vocoder before relying on it.
     """
 
     exact = False
 
-    def __init__(self, sampler: Sampler | RAS | None = None, *, threshold: float = 0.9,
+    def __init__(self, sampler: Sampler | RAS | None = None, *, threshold: float = 0.1,
                  embeddings: torch.Tensor | None = None, seed: int | torch.Generator | None = None):
         super().__init__(seed=seed)
         self.threshold = threshold
@@ -372,6 +386,11 @@ class GroupRejection(SimilarityGroups):
     tokens within a group are interchangeable; with threshold above every off-diagonal cosine each group is one
     token and this is exact sampling. The end of speech is decided exactly. Where a step has no draft it draws
     the sampler's own token, as autoregressive sampling does.
+
+    No setting earns a default of its own here: on the sample's frontier every threshold from 0.1 to 0.7 kept
+    every measure inside the baseline's interval but ran at 0.78-0.97x autoregressive sampling on a CPU (about 2
+    tokens per forward, each tree forward costing more), so it shares SimilarityGroups' threshold; on a GPU, where
+    a tree costs about a step, measure it.
     """
 
     exact = False
