@@ -152,13 +152,15 @@ def test_demo_builds_queries_and_benchmarks(tmp_path):
     report = json.loads((out / "bench.json").read_text())
     assert {"filtered/speaker", "tolerance/general", "similarity/speaker"} <= set(report["systems"])
     assert (out / "store" / "catalog.sqlite").exists() and (out / "bench.png").exists()
+    assert (out / "frontier.png").exists() and report["frontier"]  # the default and one more setting of each knob
     # the audio: one WAV per system and the reference, side by side on listen.html with their scores
     assert "The paper's table" in result.output and report["floor"]["mos"] is not None
     assert {p.parent.name for p in (out / "audio").rglob("*.wav")} >= {"reference", "ar-sampling", "speaker"}
     page = (out / "listen.html").read_text()
     players = re.findall(r'<audio controls preload=none src="([^"]+)"', page)
-    assert len(players) == len(report["systems"]) + 1 and all((out / src).exists() for src in players)
-    assert page.count("<div class=scores>WER ") == len(report["systems"]) + 1  # and the reference's
+    listed = [name for name in report["systems"] if "=" not in name]  # the sweeps' settings are in frontier.png
+    assert len(players) == len(listed) + 1 and all((out / src).exists() for src in players)
+    assert page.count("<div class=scores>WER ") == len(listed) + 1  # and the reference's
 
 
 def test_bench_and_demo_turn_bad_paths_into_messages(tmp_path):
