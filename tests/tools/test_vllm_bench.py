@@ -1,5 +1,6 @@
 """The vLLM side-by-side benchmark's offline parts, which need no vLLM: the prompt pool that never repeats a
-(speaker, text) prompt, and the replay of greedy outputs through echospec's chain drafter (first time and again)."""
+(speaker, text) prompt, the relaxed systems' request options, and the replay of greedy outputs through echospec's
+chain drafter (first time and again)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 import pytest
 
 from echospec.datastore import build
-from echospec.tools.benchmarks.vllm_side_by_side import prompt_pool, replay_drafters, steps_taken
+from echospec.decoder import Filtered, SimilarityGroups, Tolerance
+from echospec.tools.bench.harness import RelaxedSettings
+from echospec.tools.benchmarks.vllm_side_by_side import prompt_pool, relaxed_rules, replay_drafters, steps_taken
 from echospec.tools.corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS
 from echospec.tools.corpus.tts_prompt import TTSMeta, encode_prompt
 
@@ -20,6 +23,16 @@ def test_the_prompt_pool_never_repeats_a_speaker_and_text():
     pairs = [(p["speaker"], p["text"]) for p in pool]
     assert len(pairs) == len(set(pairs)) > len(rows)
     assert {p["text"] for p in pool} == {r["text"] for r in rows}  # held-out texts only
+
+
+def test_relaxed_systems_ask_for_the_policy_defaults_unless_a_knob_is_given():
+    defaults = relaxed_rules(RelaxedSettings())
+    assert defaults["echospec-filtered"]["tau"] == Filtered().tau
+    assert defaults["echospec-tolerance"] == {"policy": "tolerance", "beta": Tolerance().beta}
+    assert defaults["echospec-pcg"] == {"policy": "pcg", "threshold": SimilarityGroups().threshold}
+    given = relaxed_rules(RelaxedSettings(tau=7, beta=0.0, similarity=0.5))
+    assert (given["echospec-filtered"]["tau"], given["echospec-tolerance"]["beta"]) == (7, 0.0)
+    assert given["echospec-similarity"]["threshold"] == given["echospec-pcg"]["threshold"] == 0.5
 
 
 def test_steps_taken_counts_one_step_per_draft_plus_its_accepted_tokens():

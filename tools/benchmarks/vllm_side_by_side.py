@@ -3,7 +3,7 @@ lookup), `suffix` (SuffixDecoding, arctic-inference) and echospec (general store
 from the prompt, and through an `echospec serve` service), on the shipped sample model and its held-out
 prompts, at batch 1, 8 and 32, greedy and sampling, k = 4 and 8. In sampling cells also echospec's relaxed
 acceptance per request (echospec-filtered, -tolerance, -similarity, -pcg: echospec-general's engine, each request
-with extra_args["echospec"] at `echospec bench`'s settings), with its quality against no speculation's sampling,
+with extra_args["echospec"] at the policy classes' defaults, or --tau, --beta, --similarity), with its quality against no speculation's sampling,
 paired by prompt: the target's log-likelihood and the log-mel DTW distortion to the reference, as `echospec bench`
 computes them.
 
@@ -368,8 +368,13 @@ def write_report(out: Path, summary: list[dict], replay: dict | None, rounds: in
               help="The checkpoint's tokenizer.npz, for the sampling cells' log-mel distortion.")
 @click.option("--token-cost", type=float, default=None, show_default="the proposer's",
               help="echospec's token_cost: a chain keeps nodes whose probability is above it.")
+@click.option("--tau", type=click.IntRange(1), show_default="Filtered's own", help="echospec-filtered's top-tau.")
+@click.option("--beta", type=click.FloatRange(0, 1), show_default="Tolerance's own", help="echospec-tolerance's beta.")
+@click.option("--similarity", type=click.FloatRange(-1, 1), show_default="the policy class's own",
+              help="echospec-similarity's and echospec-pcg's cosine threshold.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/vllm", show_default=True)
-def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, tokenizer_path, token_cost, out_dir):
+def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, tokenizer_path, token_cost, tau, beta,
+         similarity, out_dir):
     from ..corpus.tts_prompt import TTSMeta, encode_prompt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -384,7 +389,9 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
     systems = [s for s in systems.split(",") if s]
     if "none" not in systems:
         systems.insert(0, "none")
-    rules = relaxed_rules(meta.speech_vocab_size)
+    from ..bench.harness import RelaxedSettings
+
+    rules = relaxed_rules(RelaxedSettings(tau=tau, beta=beta, similarity=similarity))
     engine_of = {s: "echospec-general" if s in RELAXED else s for s in systems}
     service, url = serve(store) if "echospec-service" in systems else (None, None)
     records = []
@@ -435,17 +442,17 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
     click.echo(text)
 
 
-def relaxed_rules(speech_vocab_size: int) -> dict[str, dict]:
-    """Each relaxed system's extra_args["echospec"]: the settings `echospec bench` uses on the Hugging Face path
-    (RelaxedSettings: the paper's tau share of the vocabulary, beta 0.2, similarity threshold 0.3)."""
-    from ..bench.harness import RelaxedSettings
+def relaxed_rules(settings) -> dict[str, dict]:
+    """Each relaxed system's extra_args["echospec"], every option spelled out: the knobs `settings` sets
+    (RelaxedSettings, as `echospec bench` takes them), the rest the policy class's own defaults, resolved by the
+    plugin's own reading of a request (read_rule), so the report says what ran."""
+    from echospec.decoder.vllm_acceptance import read_rule
 
-    settings = RelaxedSettings.for_vocabulary(speech_vocab_size)
-    return {"echospec-filtered": {"policy": "filtered", "tau": settings.tau},
-            "echospec-tolerance": {"policy": "tolerance", "beta": settings.beta},
-            "echospec-similarity": {"policy": "similarity", "threshold": settings.similarity},
-            "echospec-pcg": {"policy": "pcg", "threshold": settings.similarity}}
-
+    rules = {}
+    for system, policy in RELAXED.items():
+        rule = read_rule({"echospec": {"policy": policy, **settings.knobs(policy)}})
+        rules[system] = {"policy": rule.policy, **rule.options}
+    return rules
 
 if __name__ == "__main__":
     main()
