@@ -21,6 +21,7 @@ harness (tools/bench/harness.py). They are not in the wheel: run them from a che
     search_pages        the stream pages a proposal's binary searches and continuations touch, replayed
     service_servers     the servers bench_service measures: `echospec serve`, and the HTTP stack alone (the floor)
     vllm_engines        vLLM engines in worker processes, for vllm_side_by_side
+    vllm_quality        vllm_side_by_side's quality measures: log-likelihood, log-mel DTW, SIM, WER, MOS on audio
     vllm_side_by_side   echospec as vLLM's drafter beside vLLM's own drafters
 
 Every results file records its machine with tools/bench/machine.py's `machine()`. The scripts that replay a
