@@ -136,7 +136,8 @@ def _score(entry: dict | None, measure: str, scale: float = 1.0, digits: int = 2
     return "-" if not value else f"{scale * value['mean']:.{digits}f}"
 
 
-def _change(entry: dict, measure: str, scale: float = 1.0, digits: int = 2) -> str:
+def score_change(entry: dict, measure: str, scale: float = 1.0, digits: int = 2) -> str:
+    """A score's paired change against the baseline, `scale`d, with its 95% interval; "-" where there is none."""
     change = entry.get(f"{measure}_change")
     if not change:
         return "-"
@@ -166,7 +167,8 @@ def paper_table(report: dict, full: bool = False, systems=None) -> str:
                 f"{s['lm_rtf']:6.3f} {s['time_per_token_ms']['median']:7.2f} {s['speedup']:7.2f}x "
                 f"{s['tokens_per_forward']:7.2f}")
         if full:
-            line += f"  {_change(s, 'sim', 100, 1):>22} {_change(s, 'wer', 100, 1):>22} {_change(s, 'mos'):>22}"
+            line += (f"  {score_change(s, 'sim', 100, 1):>22} {score_change(s, 'wer', 100, 1):>22} "
+                     f"{score_change(s, 'mos'):>22}")
         lines.append(line)
     failures = sum(len(entries[n].get("audio_failures", ())) for n in names)
     if failures:

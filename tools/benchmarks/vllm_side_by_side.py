@@ -259,6 +259,8 @@ def suffix_accepts(cache, request: int, prompt: list[int], output: list[int], k:
 
 
 def table(rows: list[dict]) -> str:
+    from ..bench.audio import score_change  # here: the engines have started (numba must not load before vLLM)
+
     audio = any("audio" in r for r in rows)
     lines = ["| k | batch | mode | system | tokens/step | acceptance length | draft tokens/token | accepted/token | "
              "throughput vs none (min-max) | greedy identical | log-lik change [95% CI] | mel-DTW change [95% CI] |"
@@ -267,12 +269,6 @@ def table(rows: list[dict]) -> str:
     def change(r, measure):
         c = r.get(measure)
         return "" if c is None else f"{c['change']:+.1%} [{c['ci95'][0]:+.1%}, {c['ci95'][1]:+.1%}]"
-    def audio_change(r, measure, scale):
-        c = r.get("audio", {}).get(f"{measure}_change")
-        if c is None:
-            return ""
-        low, high = (scale * x for x in c["ci95"])
-        return f"{scale * c['mean']:+.2f} [{low:+.2f}, {high:+.2f}]"
     for r in rows:
         same = "" if r["identical"] is None else ("yes" if r["identical"] else "NO")
         line = (f"| {r['k']} | {r['batch']} | {r['mode']} | {r['system']} | {r['tokens_per_step']:.2f} | "
@@ -281,8 +277,9 @@ def table(rows: list[dict]) -> str:
                 f"({r['throughput_min']:.2f}-{r['throughput_max']:.2f}) | {same} | "
                 f"{change(r, 'log_likelihood')} | {change(r, 'mel_distortion')} |")
         if audio:
-            line += (f" {audio_change(r, 'sim', 100)} | {audio_change(r, 'wer', 100)} | "
-                     f"{audio_change(r, 'mos', 1)} |")
+            scores = r.get("audio", {})
+            line += (f" {score_change(scores, 'sim', 100)} | {score_change(scores, 'wer', 100)} | "
+                     f"{score_change(scores, 'mos')} |")
         lines.append(line)
     return "\n".join(lines)
 
