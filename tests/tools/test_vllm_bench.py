@@ -12,8 +12,8 @@ from echospec.datastore import build
 from echospec.decoder import Filtered, SimilarityGroups, Tolerance
 from echospec.tools.bench.harness import RelaxedSettings
 from echospec.tools.benchmarks.vllm_quality import score_on_audio
-from echospec.tools.benchmarks.vllm_side_by_side import (prompt_pool, relaxed_rules, replay_drafters, steps_taken,
-                                                         summarise, table)
+from echospec.tools.benchmarks.vllm_side_by_side import (main, prompt_pool, relaxed_rules, replay_drafters,
+                                                         steps_taken, summarise, table)
 from echospec.tools.corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
 from echospec.tools.corpus.tts_prompt import TTSMeta, encode_prompt
 
@@ -48,6 +48,17 @@ def test_a_relaxed_system_may_set_one_knob_of_its_own():
         relaxed_rules(RelaxedSettings(), ["echospec-tolerance/tau=3"])
     with pytest.raises(ValueError, match="key=number"):
         relaxed_rules(RelaxedSettings(), ["echospec-tolerance/beta=lots"])
+
+
+@pytest.mark.parametrize("systems, says", [("none,echospec-bogus", "unknown echospec-bogus"),
+                                           ("none,echospec-tolerance/tau=3", "unknown option"),
+                                           ("none,echospec-filtered/tau=lots", "key=number")])
+def test_a_bad_system_is_refused_before_anything_is_built(tmp_path, systems, says):
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(main, ["--systems", systems, "--out", str(tmp_path)])
+    assert result.exit_code == 2 and says in result.output
+    assert not (tmp_path / "voices").exists()
 
 
 def test_sampling_cells_are_scored_on_audio_against_no_speculation_in_their_cell(tmp_path):

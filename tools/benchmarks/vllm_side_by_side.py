@@ -380,10 +380,6 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
     out.mkdir(parents=True, exist_ok=True)
     meta = TTSMeta.load(model_dir)
     pool = prompt_pool([json.loads(line) for line in open(SAMPLE_DIR / "prompts.jsonl")], meta.speakers)
-    store = Path(store_dir) if store_dir else out / "voices"
-    if not store.exists():
-        from echospec.datastore import build
-        build(SAMPLE_DIR / "corpus.jsonl", store, progress=False)
     if "again" in modes.split(",") and not ("greedy" in modes.split(",") and modes.split(",")[-1] == "again"):
         raise click.UsageError("--modes: `again` comes last, after greedy (it serves the greedy cells' prompts again)")
     systems = [s for s in systems.split(",") if s]
@@ -404,6 +400,10 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
         rules = relaxed_rules(RelaxedSettings(tau=tau, beta=beta, similarity=similarity), systems)
     except ValueError as e:
         raise click.UsageError(f"--systems: {e}") from None
+    store = Path(store_dir) if store_dir else out / "voices"  # built once the options are known to be good
+    if not store.exists():
+        from echospec.datastore import build
+        build(SAMPLE_DIR / "corpus.jsonl", store, progress=False)
     engine_of = {s: "echospec-speaker" if s in rules else s for s in systems}
     service, url = serve(store) if "echospec-service" in systems else (None, None)
     records, cells = [], {}
