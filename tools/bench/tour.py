@@ -18,7 +18,7 @@ DEMO_SWEEPS = {"tau": (40,), "beta": (0.2,), "threshold": (0.3,)}
 step of a knob trades (the full sweep behind the defaults is in docs/results.md)."""
 
 
-def demo(out_dir="runs/demo", limit: int = 12, threads: int = 1, dtype: str = "float32", full: bool = False,
+def demo(out_dir="runs/demo", limit: int = 10, threads: int = 1, dtype: str = "float32", full: bool = False,
          echo=print, progress: bool = True, audio: bool = True) -> dict:
     """Build a general and per-speaker datastore from the sample corpus, show one query, and benchmark
     autoregressive decoding against each acceptance policy on `limit` held-out sentences, in `dtype`

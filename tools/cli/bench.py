@@ -118,7 +118,7 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
 
 @click.command("demo")
 @out_option("runs/demo")
-@limit_option(12, help="Held-out sentences to synthesize.")
+@limit_option(10, help="Held-out sentences to synthesize.")
 @threads_option
 @dtype_option(help="bfloat16 where the CPU computes it natively (AVX512-BF16, AMX); else it is emulated, slowly.")
 @full_option
