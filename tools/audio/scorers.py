@@ -206,6 +206,7 @@ _loaded: dict = {}  # the worker's vocoder and scorers, loaded once by _load_wor
 
 def _load_worker(setup: Setup) -> None:
     import torch
+    from threadpoolctl import threadpool_limits
 
     torch.set_num_threads(1)
     _loaded.clear()
@@ -216,6 +217,9 @@ def _load_worker(setup: Setup) -> None:
             _loaded[name] = loader(spec)
         except Exception as e:  # a scorer that cannot load: every utterance says why, the others still score
             _loaded[name] = f"{type(e).__name__}: {e}"
+    # one BLAS thread too, in every BLAS the scorers loaded: a worker's mel filterbank products would otherwise
+    # start a thread per core, busy-waiting beside the other workers
+    threadpool_limits(1)
 
 
 def score_job(job: Job) -> dict:
