@@ -87,6 +87,14 @@ def test_a_scorer_failing_on_one_utterance_is_reported_for_it_and_the_rest_score
     assert set(ScoreCache(tmp_path / "scores.jsonl").results) == {jobs[0].key, jobs[1].key}  # resumable
 
 
+def test_each_scoring_worker_runs_one_thread_in_every_blas_it_loaded():
+    from threadpoolctl import threadpool_info
+
+    with scoring_pool(Setup(tokenizer=str(SAMPLE_TOKENIZER)), 1) as pool:
+        pools = pool.submit(threadpool_info).result()
+    assert pools and {p["num_threads"] for p in pools} == {1}, pools
+
+
 @pytest.mark.slow
 def test_bench_audio_writes_one_wav_per_system_and_utterance(tmp_path):
     from echospec.datastore import build
