@@ -10,8 +10,9 @@
 Needs the `quality` extra (librosa, pocketsphinx, resemblyzer, speechmos, jiwer).
 """
 
-QUALITY_MODULES = ("librosa", "pocketsphinx", "resemblyzer", "speechmos", "onnxruntime", "jiwer")
-"""What the `quality` extra brings (import names): the default vocoder and scorers."""
+QUALITY_MODULES = ("librosa", "pocketsphinx", "resemblyzer", "speechmos", "onnxruntime", "jiwer", "threadpoolctl")
+"""What the `quality` extra brings (import names): the default vocoder and scorers, and the scoring workers' thread
+limit."""
 
 
 def quality_missing() -> str | None:
