@@ -388,10 +388,10 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
     from ..audio import quality_missing
     from ..bench.harness import RelaxedSettings
 
-    if audio and quality_missing():
-        raise click.UsageError(f"--audio needs the quality extra ({quality_missing()} is missing): "
-                               "pip install -e '.[quality]'")
-    audio = audio is not False and quality_missing() is None
+    missing = quality_missing()
+    if audio and missing:
+        raise click.UsageError(f"--audio needs the quality extra ({missing} is missing): pip install -e '.[quality]'")
+    audio = audio is not False and missing is None
     unknown = [s for s in systems if s not in SYSTEMS and relaxed_policy(s) is None]
     if unknown:
         raise click.UsageError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)} "
