@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 import sys
 from importlib.util import find_spec
 
@@ -121,8 +122,9 @@ def audio_options(command):
                      "and the quality extra installed", help="Score WER, SIM and MOS on audio."),
         click.option("--vocoder", metavar="MODULE:CALLABLE", show_default="the k-means stand-in from --tokenizer",
                      help="The model's token decoder: tokens -> (waveform, sample_rate)."),
-        click.option("--asr", metavar="NAME|MODULE:CALLABLE", show_default="pocketsphinx",
-                     help="ASR for WER: pocketsphinx, whisper, faster-whisper, or (waveform, rate) -> text."),
+        click.option("--asr", metavar="NAME|DIR|MODULE:CALLABLE", show_default="whisper (tiny.en, bundled)",
+                     help="ASR for WER: whisper (Whisper tiny.en, no download), pocketsphinx, a faster-whisper "
+                          "model folder (e.g. your large-v3), or (waveform, rate) -> text."),
         click.option("--speaker-encoder", metavar="MODULE:CALLABLE", show_default="resemblyzer",
                      help="Speaker embedding for SIM: (waveform, rate) -> vector."),
         click.option("--mos", metavar="MODULE:CALLABLE", show_default="DNSMOS P.808 (speechmos)",
@@ -149,10 +151,10 @@ def audio_settings(audio_dir, audio_scores, vocoder, asr, speaker_encoder, mos, 
                                        "pip install -e '.[quality]' in a checkout")
     for name, spec in (("--vocoder", vocoder), ("--asr", asr), ("--speaker-encoder", speaker_encoder),
                        ("--mos", mos)):
-        if spec is None or (name == "--asr" and spec in ASR_NAMES):
-            if name == "--asr" and spec in ASR_NAMES[1:] and find_spec(spec.replace("-", "_")) is None:
-                raise click.BadParameter(f"{spec} is not installed (pip install "
-                                         f"{'openai-whisper' if spec == 'whisper' else spec})", param_hint=name)
+        if spec is None or (name == "--asr" and (spec in ASR_NAMES or Path(spec).is_dir())):
+            if name == "--asr" and spec is not None and Path(spec).is_dir() and not (Path(spec) / "model.bin").is_file():
+                raise click.BadParameter(f"{spec} is not a faster-whisper (CTranslate2) model folder: no model.bin",
+                                         param_hint=name)
             continue
         try:
             find_callable(spec, name)

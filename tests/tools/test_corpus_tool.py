@@ -16,7 +16,15 @@ from echospec.tools.corpus.make_corpus import (
     make_corpus,
     plan_corpus,
 )
-from echospec.tools.corpus.speech_tokenizer import MelConfig, SpeechTokenizer, log_mel, mel_filterbank, resample, train_tokenizer
+from echospec.tools.corpus.speech_tokenizer import (
+    MelConfig,
+    SpeechTokenizer,
+    fit_decoder,
+    log_mel,
+    mel_filterbank,
+    resample,
+    train_tokenizer,
+)
 
 HAVE_ENGINES = shutil.which("espeak-ng") is not None and shutil.which("flite") is not None
 needs_engines = pytest.mark.skipif(not HAVE_ENGINES, reason="espeak-ng and flite not installed (apt-get install espeak-ng flite)")
@@ -67,6 +75,27 @@ def test_tokenizer_is_deterministic_and_round_trips(tmp_path):
     (tmp_path / "bad.npz").write_bytes(b"nope")
     with pytest.raises(ValueError, match="not a speech tokenizer"):
         SpeechTokenizer.load(tmp_path / "bad.npz")
+
+
+def test_the_context_decoder_hears_neighbours_the_centroids_cannot(tmp_path):
+    # frames whose value depends on the previous frame's cell: a centroid alone cannot tell them apart
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal((8, 80)).astype(np.float32) * 4
+    sequences = [rng.integers(0, 8, 300) for _ in range(4)]
+    mels = [base[s] + 0.5 * np.roll(base[s], 1, axis=0) + 0.05 * rng.standard_normal((300, 80)).astype(np.float32)
+            for s in sequences]
+    tokenizer = train_tokenizer(mels[:3], 8, seed=0)
+    tokens = [tokenizer.encode_logmel(m) for m in mels]
+    decoded = fit_decoder(tokenizer, tokens[:3], mels[:3], context=1)
+    held_out_error = {name: float(np.mean((t.tokens_to_logmel(tokens[3])[1:] - mels[3][1:]) ** 2))
+                      for name, t in (("centroids", tokenizer), ("decoder", decoded))}
+    assert held_out_error["decoder"] < 0.6 * held_out_error["centroids"], held_out_error
+    decoded.save(tmp_path / "tok.npz")
+    loaded = SpeechTokenizer.load(tmp_path / "tok.npz")
+    assert loaded.decoder.shape == (3, 8, 80)
+    np.testing.assert_allclose(loaded.tokens_to_logmel(tokens[3]), decoded.tokens_to_logmel(tokens[3]), atol=0.05)
+    with pytest.raises(ValueError, match="decoder shape"):
+        SpeechTokenizer(tokenizer.centroids, tokenizer.mean, tokenizer.std, tokenizer.cfg, np.zeros((2, 8, 80)))
 
 
 def test_load_sentences_parses_fortune_files(tmp_path):
@@ -133,10 +162,11 @@ def test_two_sentences_two_voices_end_to_end(tmp_path):
     for r in rows:
         assert set(r) == {"id", "speaker", "text", "tokens"}
         assert all(0 <= t < 8 for t in r["tokens"])
-        assert 25 <= len(r["tokens"]) <= 150  # ~1-6 s of speech at 25 tokens/s
+        assert 50 <= len(r["tokens"]) <= 300  # ~1-6 s of speech at 50 tokens/s
         assert len(set(r["tokens"])) >= 3  # speech, not one constant frame
     assert (tmp_path / "a" / "prompts.jsonl").read_text() == ""
     assert SpeechTokenizer.load(tmp_path / "a" / "tokenizer.npz").vocab_size == 8
+    assert SpeechTokenizer.load(tmp_path / "a" / "tokenizer.npz").decoder.shape == (5, 8, 80)
     make_corpus(tmp_path / "b", seed=5, **kwargs)
     for name in ("corpus.jsonl", "tokenizer.npz"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), f"{name} differs for one seed"

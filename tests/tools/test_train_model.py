@@ -71,6 +71,20 @@ def test_vocabulary_layout_and_prompt_encoding(tmp_path):
         TTSMeta.load(tmp_path)
 
 
+def test_the_phoneme_front_end_reads_text_as_espeak_ipa():
+    from echospec.tools.corpus.phonemes import to_phonemes
+    from echospec.tools.corpus.tts_prompt import text_symbols
+
+    assert to_phonemes("A gift of a flower.") == "ɐ ɡˈɪft əvə flˈaʊɚ."
+    assert text_symbols("Ready?  Yes,\nnow!", "phonemes") == to_phonemes("ready? yes, now!")
+    assert text_symbols("Ready?  Yes,\nnow!", "characters") == "ready? yes, now!"
+    symbols = text_symbols("two words", "phonemes")
+    meta = TTSMeta.build(symbols, ["s"], 4, front_end="phonemes")
+    assert encode_prompt(meta, "Two  WORDS", "s")[2:-1] == [meta.char_to_id[c] for c in symbols]
+    with pytest.raises(PromptError, match="front end 'bpe'"):
+        TTSMeta.build("ab", ["s"], 4, front_end="bpe")
+
+
 def test_learning_rate_anneals_by_steps_or_by_the_clock():
     cfg = TrainConfig(steps=100, warmup=10, lr=1.0, max_minutes=1.0)
     assert lr_at(0, cfg) == pytest.approx(0.1)

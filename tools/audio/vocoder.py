@@ -1,10 +1,11 @@
 """Vocoders: a vocoder is any callable `tokens -> (waveform, sample_rate)` taking store-local speech ids.
 
 The default, `KMeansVocoder`, is a stand-in for stores and checkpoints made with echospec's k-means speech
-tokenizer (the sample's `tokenizer.npz`): each token's centroid is a log-mel frame, librosa's NNLS inversion
-turns it into a linear magnitude spectrum, and Griffin-Lim finds a phase. It keeps what the tokens say about
-the spectral envelope and loses pitch and phase detail, so it sounds buzzy and robotic: good enough to hear a
-policy's effect and to score it with the same ears each time, not a model's real voice. A real model passes its
+tokenizer (the sample's `tokenizer.npz`): the tokenizer's context decoder turns the tokens into log-mel frames
+(each frame read from the tokens around it, as a codec's decoder does), librosa's NNLS inversion turns them into
+linear magnitude spectra, and Griffin-Lim finds a phase. It keeps what the tokens say about the spectral envelope
+and loses pitch and phase detail, so it sounds buzzy and robotic, but its words can be followed: good enough to
+hear a policy's effect and to score it with the same ears each time, not a model's real voice. A real model passes its
 own token decoder (`--vocoder module:callable`, `vocoder=`): docs/models.md shows each family's.
 """
 
@@ -21,40 +22,44 @@ import numpy as np
 from ...datastore.files import atomic_file
 from ..corpus.speech_tokenizer import SpeechTokenizer
 
-UPSAMPLE = 4  # Griffin-Lim runs at a quarter of the token hop: overlap 7/8 of a window, which it needs to converge
+FINE_HOP = 160  # samples: Griffin-Lim needs a window overlapping 5/6 or more to converge (a quarter of a 25 Hz hop)
 GRIFFIN_LIM_ITERATIONS = 32
 
 
 class KMeansVocoder:
-    """Tokens of a k-means speech tokenizer -> centroid log-mels -> linear magnitudes -> Griffin-Lim waveform.
+    """Tokens of a k-means speech tokenizer -> log-mels (its context decoder, or centroids) -> linear magnitudes ->
+    Griffin-Lim waveform.
 
-    The NNLS inversion is solved once per centroid (each column is independent), so a call only looks up its
-    tokens' spectra, interpolates them to a finer hop (log magnitudes, linearly between frame centres) and runs
-    Griffin-Lim with a fixed seed: the same tokens give the same waveform, `len(tokens) * hop_length` samples.
+    The log-mels are inverted to magnitudes by NNLS (librosa), interpolated to a finer hop (log magnitudes,
+    linearly between frame centres) and given a phase by Griffin-Lim with a fixed seed: the same tokens give the
+    same waveform, `len(tokens) * hop_length` samples.
     """
 
     def __init__(self, tokenizer: SpeechTokenizer | str | os.PathLike, iterations: int = GRIFFIN_LIM_ITERATIONS):
-        import librosa
-
         self.tokenizer = tokenizer if isinstance(tokenizer, SpeechTokenizer) else SpeechTokenizer.load(tokenizer)
         cfg = self.tokenizer.cfg
-        log_mels = (self.tokenizer.centroids * self.tokenizer.std + self.tokenizer.mean).T.astype(np.float64)
-        # scaled to a peak of 1 first: NNLS on raw energies (e^9) takes minutes to converge, scaled it takes a second
-        peak = log_mels.max()
-        magnitudes = librosa.feature.inverse.mel_to_stft(
-            np.exp(log_mels - peak), sr=cfg.sample_rate, n_fft=cfg.n_fft, power=2.0, fmin=cfg.fmin, fmax=cfg.fmax,
-            htk=True, norm=None)  # the tokenizer's filterbank: HTK mel scale, unnormalised triangles
-        # [n_fft // 2 + 1, vocabulary] log magnitudes, single precision: Griffin-Lim then runs in complex64, 15% faster
-        # than in double, with the same scores (SIM and MOS equal to 1e-4 on the demo's 172 clips)
-        self.log_spectra = (np.log(magnitudes + 1e-6) + peak / 2).astype(np.float32)
         self.iterations = iterations
         self.sample_rate = cfg.sample_rate
         self.hop_length = cfg.hop_length
         self.n_fft = cfg.n_fft
+        self.upsample = max(1, cfg.hop_length // FINE_HOP)
 
     @property
     def token_rate(self) -> float:
         return self.sample_rate / self.hop_length
+
+    def log_magnitudes(self, tokens: np.ndarray) -> np.ndarray:
+        """float32[n_fft // 2 + 1, frames]: the tokens' log-mels inverted to log linear magnitudes."""
+        import librosa
+
+        cfg = self.tokenizer.cfg
+        log_mels = self.tokenizer.tokens_to_logmel(tokens).T.astype(np.float64)
+        peak = log_mels.max()  # scaled to a peak of 1 first: NNLS on raw energies (e^9) converges far slower
+        magnitudes = librosa.feature.inverse.mel_to_stft(
+            np.exp(log_mels - peak), sr=cfg.sample_rate, n_fft=cfg.n_fft, power=2.0, fmin=cfg.fmin, fmax=cfg.fmax,
+            htk=True, norm=None)  # the tokenizer's filterbank: HTK mel scale, unnormalised triangles
+        # single precision: Griffin-Lim then runs in complex64, 15% faster than in double, with the same scores
+        return (np.log(magnitudes + 1e-6) + peak / 2).astype(np.float32)
 
     def __call__(self, tokens) -> tuple[np.ndarray, int]:
         import librosa
@@ -62,16 +67,14 @@ class KMeansVocoder:
         tokens = np.asarray(tokens, dtype=np.int64)
         if tokens.ndim != 1 or tokens.size == 0:
             raise ValueError("the vocoder needs a non-empty sequence of speech tokens")
-        if tokens.min() < 0 or tokens.max() >= self.log_spectra.shape[1]:
-            raise ValueError(f"speech tokens must lie in [0, {self.log_spectra.shape[1]}), "
-                             f"got [{tokens.min()}, {tokens.max()}]")
-        frames = self.log_spectra[:, tokens]
-        fine = np.minimum(np.arange(len(tokens) * UPSAMPLE + 1) / UPSAMPLE, len(tokens) - 1)  # centred frames
+        frames = self.log_magnitudes(tokens)  # checks the ids' range
+        up = self.upsample
+        fine = np.minimum(np.arange(len(tokens) * up + 1) / up, len(tokens) - 1)  # centred frames
         below = np.floor(fine).astype(np.int64)
         above = np.minimum(below + 1, len(tokens) - 1)
         weight = (fine - below).astype(np.float32)
         magnitude = np.exp(frames[:, below] * (1 - weight) + frames[:, above] * weight)
-        waveform = librosa.griffinlim(magnitude, n_iter=self.iterations, hop_length=self.hop_length // UPSAMPLE,
+        waveform = librosa.griffinlim(magnitude, n_iter=self.iterations, hop_length=self.hop_length // up,
                                       n_fft=self.n_fft, length=len(tokens) * self.hop_length, random_state=0)
         return normalised(waveform), self.sample_rate
 

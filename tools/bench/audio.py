@@ -4,6 +4,10 @@ WER, SIM and MOS after decoding (echospec.tools.audio.scorers), summarised besid
 For each system: each score's mean with a 95% bootstrap interval, and its change against the system's baseline
 paired by utterance (`wer_change`, ...). The floor: the same scores of the reference tokens through the same
 vocoder and scorers, what the stand-ins can resolve at best.
+
+The resolution check: each baseline's utterances with a tenth of their tokens replaced at random (seeded), scored
+by the same ears. A table whose WER cannot tell that damage from the baseline (its paired interval reaches 0)
+cannot see a policy lose words either, and says so; the exact policies' rows show zero change beside it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from .quality import bootstrap_ci, difference_ci
 
 MEASURES = ("wer", "sim", "mos")
 REFERENCE = "reference"  # the floor's name in the report and the folder of its WAVs
+DAMAGE_FRACTION = 0.1  # of the baseline's tokens replaced at random in the resolution check
+DAMAGED = "damaged"  # the resolution check's system: "<baseline>/damaged"
 
 
 def wav_name(prompt_id: str, round_: int) -> str:
@@ -45,6 +51,7 @@ def score_audio(report: dict, prompts, speech, setup, out_dir=None, audio_dir=No
     with scoring_pool(setup, workers) as pool:
         floor = _score_references_then_outputs(report, prompts, speech, setup, cache, pool, wav, progress)
     summarise_audio(report, floor, prompts)
+    report["resolution"] = resolution_check(report)
     report["audio"]["seconds"] = time.perf_counter() - start  # workers' start-up, vocoding, scoring, WAVs
 
 
@@ -60,7 +67,9 @@ def _score_references_then_outputs(report, prompts, speech, setup, cache, pool, 
     floor = {prompt_id: scored[job.key] for prompt_id, job in references.items()}
     embedding = {prompt_id: result.get("embedding") for prompt_id, result in floor.items()}
     jobs, placed = [], []
-    for system, rows in report["utterances"].items():
+    damaged = {f"{name}/{DAMAGED}": damage(report["utterances"][name], speech)
+               for name, entry in report["systems"].items() if entry["baseline"] == name}
+    for system, rows in report["utterances"].items() | damaged.items():
         for row in rows:
             tokens = tuple(speech.to_local(row["tokens"]))
             reference = embedding.get(row["prompt"])
@@ -73,6 +82,7 @@ def _score_references_then_outputs(report, prompts, speech, setup, cache, pool, 
                             wav(system, row["prompt"], row["round"])))
             placed.append(row)
     results = score_all(jobs, pool, cache, progress)
+    report["damaged"] = damaged
     for row, job in zip(placed, jobs):
         result = results[job.key]
         row.update({m: result[m] for m in MEASURES} | {"transcript": result.get("transcript")})
@@ -108,6 +118,60 @@ def summarise_audio(report: dict, floor: dict, prompts) -> None:
     report["floor"]["utterances"] = len(floor)
     report["floor"]["prompts"] = {prompt_id: {m: r.get(m) for m in ("wer", "mos", "transcript")}
                                   for prompt_id, r in floor.items()}
+
+
+def damage(rows: list[dict], speech, fraction: float = DAMAGE_FRACTION, seed: int = 0) -> list[dict]:
+    """Copies of a baseline's utterance rows with `fraction` of each one's speech tokens replaced by random speech
+    ids of the same codebook (seeded by the row's place, so the same rows are damaged the same way in every run)."""
+    damaged, book = [], speech.size // speech.codebooks
+    for i, row in enumerate(rows):
+        tokens = np.asarray(row["tokens"])
+        local = tokens - speech.offset
+        is_speech = (local >= 0) & (local < speech.size)
+        rng = np.random.default_rng([seed, i])
+        hit = is_speech & (rng.random(len(tokens)) < fraction)
+        replacement = speech.offset + local // book * book + rng.integers(0, book, len(tokens))
+        tokens = np.where(hit, replacement, tokens)
+        damaged.append({"prompt": row["prompt"], "round": row["round"], "tokens": tokens.tolist()})
+    return damaged
+
+
+def resolution_check(report: dict) -> dict:
+    """For each baseline: the WER change its damaged copy shows (paired, 95% interval) and whether the interval
+    excludes zero; beside it, the change each exact policy against it shows (zero where its tokens are the
+    baseline's)."""
+    checks = {}
+    for name, rows in report.pop("damaged").items():
+        baseline = name.rsplit("/", 1)[0]
+        pairs = [(d["wer"], b["wer"]) for d, b in zip(rows, report["utterances"][baseline])
+                 if d.get("wer") is not None and b.get("wer") is not None]
+        change = difference_ci(*zip(*pairs)).to_dict() | {"utterances": len(pairs)} if pairs else None
+        exact = {system: (entry.get("wer_change") or {}).get("mean") for system, entry in report["systems"].items()
+                 if entry["baseline"] == baseline and system != baseline and entry.get("identical_to_baseline")}
+        checks[baseline] = {"damage": f"{DAMAGE_FRACTION:.0%} of the tokens replaced at random",
+                            "wer_change": change, "resolves": bool(change and change["ci95"][0] > 0),
+                            "exact_wer_change": exact}
+    return checks
+
+
+def resolution_lines(report: dict) -> list[str]:
+    """The resolution check in words, for the paper's table."""
+    lines = []
+    for baseline, check in (report.get("resolution") or {}).items():
+        change = check["wer_change"]
+        if change is None:
+            lines.append(f"  Resolution check ({baseline}): no WER was scored, so the table cannot show a loss of words.")
+            continue
+        low, high = (100 * c for c in change["ci95"])
+        seen = (f"{100 * change['mean']:+.1f} [{low:+.1f}, {high:+.1f}] points of WER: the table sees a loss of words "
+                f"that size" if check["resolves"] else
+                f"{100 * change['mean']:+.1f} [{low:+.1f}, {high:+.1f}] points, an interval that reaches zero: these "
+                f"ears cannot see a loss of words that size, so read no WER below as evidence either way")
+        exact = ", ".join(f"{system} {100 * value:+.1f}" for system, value in check["exact_wer_change"].items()
+                          if value is not None)
+        lines.append(f"  Resolution check ({baseline}, {check['damage']}): {seen}"
+                     + (f"; exact policies: {exact}." if exact else "."))
+    return lines
 
 
 def _mean(values) -> dict | None:
@@ -170,6 +234,7 @@ def paper_table(report: dict, full: bool = False, systems=None) -> str:
             line += (f"  {score_change(s, 'sim', 100, 1):>22} {score_change(s, 'wer', 100, 1):>22} "
                      f"{score_change(s, 'mos'):>22}")
         lines.append(line)
+    lines += resolution_lines(report)
     failures = sum(len(entries[n].get("audio_failures", ())) for n in names)
     if failures:
         lines.append(f"  ({failures} utterances had a scorer fail; bench.json's audio_failures say which and why)")

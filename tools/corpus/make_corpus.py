@@ -1,13 +1,15 @@
 """Make a multi-speaker speech-token corpus offline with Debian's TTS engines.
 
-Texts (fortune-format files, by default Debian's `fortunes`) are spoken by espeak-ng and flite voices
+Texts (fortune-format files, by default Debian's `fortunes`) are spoken by flite and espeak-ng voices
 (each voice + variant is a speaker) with a random rate and pitch per utterance, converted to 16 kHz log-mel
-frames at 25 Hz, and tokenized by a k-means tokenizer trained (faiss) on the corpus part. Output folder:
+frames (50 Hz by default), tokenized by a k-means tokenizer trained (faiss) on the corpus part, and given a
+token-to-mel context decoder fitted on the same frames (speech_tokenizer.fit_decoder). Output folder:
 
     corpus.jsonl    {id, speaker, text, tokens}                       what training and datastores see
     prompts.jsonl   {id, speaker, text, reference_tokens, text_in_corpus}  held out of both
-    tokenizer.npz   centroids, normalisation mean/std, frame parameters
-    manifest.json   the parameters, speakers and counts that made it
+    tokenizer.npz   centroids, normalisation mean/std, frame parameters, the context decoder
+    manifest.json   the parameters, speakers and counts that made it, and (with the quality extra) what
+                    Whisper hears of the held-out prompts' raw engine audio: the ceiling of every score on tokens
 
 The plan mimics TTS corpora and production traffic, where retrieval pays: each speaker says many
 sentences, a shared pool of sentences is said by many speakers, and a few sentences are repeated by the
@@ -35,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ...datastore.files import atomic_file
-from .speech_tokenizer import DEFAULT_MEL, MelConfig, log_mel, resample, train_tokenizer
+from .speech_tokenizer import MelConfig, fit_decoder, log_mel, resample, train_tokenizer
 
 APT_PACKAGES = {"espeak-ng": "espeak-ng", "flite": "flite"}
 # Debian's `fortunes` (which pulls in `fortunes-min`): the non-offensive files of plain sayings, jokes and
@@ -79,21 +81,10 @@ class Speaker:
         return cls(engine, voice)
 
 
-DEFAULT_SPEAKERS = tuple(
-    Speaker.parse(s)
-    for s in (
-        "espeak-ng:en-us+m3",
-        "espeak-ng:en-us+f2",
-        "espeak-ng:en-gb+m1",
-        "espeak-ng:en-gb-scotland+f4",
-        "espeak-ng:en-gb-x-rp+m7",
-        "espeak-ng:en-029+f1",
-        "flite:kal16",
-        "flite:awb",
-        "flite:rms",
-        "flite:slt",
-    )
-)
+# flite's voices: Whisper tiny.en hears 14-28% of their words wrong on raw audio, every espeak-ng voice 37-84%
+# (docs/sample.md): a voice that an ASR cannot follow raw cannot show what a decoding policy does to the words
+DEFAULT_SPEAKERS = tuple(Speaker.parse(s) for s in ("flite:kal16", "flite:kal", "flite:awb", "flite:rms", "flite:slt"))
+SAMPLE_MEL = MelConfig(hop_length=320)  # 50 tokens a second, LLaSA's rate
 
 
 @dataclass(frozen=True)
@@ -228,7 +219,7 @@ def _trim_silence(wave_16k: np.ndarray, sample_rate: int, pad_s: float = 0.1) ->
     return wave_16k[max(0, loud[0] - pad) : loud[-1] + pad]
 
 
-def synthesize(utt: Utterance, cfg: MelConfig = DEFAULT_MEL) -> np.ndarray:
+def synthesize(utt: Utterance, cfg: MelConfig = SAMPLE_MEL) -> np.ndarray:
     """float32 mono waveform at cfg.sample_rate for one planned utterance."""
     with tempfile.TemporaryDirectory(prefix="echospec-tts-") as tmp:
         wav_path = os.path.join(tmp, "u.wav")
@@ -256,7 +247,9 @@ def make_corpus(
     speakers: Sequence[Speaker] = DEFAULT_SPEAKERS,
     utterances_per_speaker: int = 400,
     n_prompts: int = 120,
-    vocab_size: int = 512,
+    vocab_size: int = 1024,
+    mel: MelConfig = SAMPLE_MEL,
+    decoder_context: int = 2,
     seed: int = 0,
     jobs: int = 1,
     progress: bool = True,
@@ -266,12 +259,14 @@ def make_corpus(
     check_engines(speakers)
     sentences = load_sentences() if sentences is None else list(sentences)
     plan = plan_corpus(sentences, speakers, utterances_per_speaker, n_prompts, seed=seed, **plan_options)
-    cfg = DEFAULT_MEL
     with ThreadPoolExecutor(max(1, jobs)) as pool:  # threads suffice: the engines run as subprocesses
-        mels = list(tqdm(pool.map(lambda u: log_mel(synthesize(u, cfg), cfg), plan), total=len(plan), desc="synthesize", disable=not progress))
+        waves = list(tqdm(pool.map(lambda u: synthesize(u, mel), plan), total=len(plan), desc="synthesize", disable=not progress))
+    mels = [log_mel(w, mel) for w in waves]
     corpus_mels = [m for m, u in zip(mels, plan) if not u.held_out]
-    tokenizer = train_tokenizer(corpus_mels, vocab_size, seed=seed, cfg=cfg)
-    tokens = [tokenizer.encode_logmel(m).tolist() for m in tqdm(mels, desc="tokenize", disable=not progress)]
+    tokenizer = train_tokenizer(corpus_mels, vocab_size, seed=seed, cfg=mel)
+    tokens = [tokenizer.encode_logmel(m) for m in tqdm(mels, desc="tokenize", disable=not progress)]
+    tokenizer = fit_decoder(tokenizer, [t for t, u in zip(tokens, plan) if not u.held_out], corpus_mels, decoder_context)
+    tokens = [t.tolist() for t in tokens]
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -284,17 +279,37 @@ def make_corpus(
     manifest = {
         "seed": seed,
         "vocab_size": vocab_size,
-        "frame_rate": cfg.frame_rate,
-        "mel": asdict(cfg),
+        "frame_rate": mel.frame_rate,
+        "mel": asdict(mel),
+        "decoder_context": decoder_context,
         "speakers": {s.name: {"engine": s.engine, "voice": s.voice} for s in speakers},
         "utterances": len(corpus),
         "prompts": len(prompts),
         "tokens": sum(len(t) for t, u in zip(tokens, plan) if not u.held_out),
         "unique_texts": len({u.text for u in plan if not u.held_out}),
         "plan_options": {"utterances_per_speaker": utterances_per_speaker, "n_prompts": n_prompts, **plan_options},
+        "raw_audio_wer": raw_audio_wer([(u, w) for u, w in zip(plan, waves) if u.held_out], mel.sample_rate, progress),
     }
     tokenizer.save(out / "tokenizer.npz")
     _write_atomic(out / "corpus.jsonl", corpus)
     _write_atomic(out / "prompts.jsonl", prompts)
     _write_atomic(out / "manifest.json", [json.dumps(manifest, indent=2)])
     return manifest
+
+
+def raw_audio_wer(held_out: list[tuple[Utterance, np.ndarray]], sample_rate: int, progress: bool = True) -> dict | None:
+    """Whisper tiny.en's WER on the engines' own audio of the held-out prompts, per speaker and overall: what
+    any score on their tokens can at best reach. None without the quality extra (the audio is not kept)."""
+    from ..audio import quality_missing
+
+    if not held_out or quality_missing() is not None:
+        return None
+    from ..audio.scorers import DEFAULT_NAMES, WhisperASR, word_error_rate
+
+    asr = WhisperASR()
+    by_speaker: dict[str, list[float]] = {}
+    for utt, wave in tqdm(held_out, desc="raw audio WER", disable=not progress):
+        by_speaker.setdefault(utt.speaker.name, []).append(word_error_rate(utt.text, asr(wave, sample_rate)))
+    every = [w for scores in by_speaker.values() for w in scores]
+    return {"asr": DEFAULT_NAMES["asr"], "mean": round(float(np.mean(every)), 4),
+            "by_speaker": {name: round(float(np.mean(scores)), 4) for name, scores in by_speaker.items()}}

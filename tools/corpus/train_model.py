@@ -24,7 +24,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from ...datastore.files import SHARED_FILE_MODE, atomic_dir
-from .tts_prompt import TTSMeta, encode_prompt, encode_target, normalise_text
+from .tts_prompt import TTSMeta, encode_prompt, encode_target, text_symbols
 
 IGNORE = -100
 
@@ -52,6 +52,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 500
     heldout_fraction: float = 0.05  # used only when the folder has no prompts.jsonl
+    front_end: str = "phonemes"  # what the model reads of a text: tools/corpus/tts_prompt.text_symbols
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,8 @@ def read_records(path: Path, tokens_key: str) -> list[dict]:
     return rows
 
 
-def load_splits(corpus_dir: str | os.PathLike, cfg: TrainConfig) -> tuple[list[dict], list[dict], int]:
-    """(train rows, held-out rows, speech vocabulary size) from a make-corpus folder."""
+def load_splits(corpus_dir: str | os.PathLike, cfg: TrainConfig) -> tuple[list[dict], list[dict], int, float]:
+    """(train rows, held-out rows, speech vocabulary size, tokens per second) from a make-corpus folder."""
     folder = Path(corpus_dir)
     if not (folder / "corpus.jsonl").is_file():
         raise TrainingDataError(f"{folder}/corpus.jsonl not found (make one with `echospec make-corpus`)")
@@ -94,15 +95,15 @@ def load_splits(corpus_dir: str | os.PathLike, cfg: TrainConfig) -> tuple[list[d
         heldout, train = train[:n], train[n:]
     if (folder / "tokenizer.npz").is_file():
         with np.load(folder / "tokenizer.npz") as z:
-            speech_vocab = len(z["centroids"])
+            speech_vocab, frame_rate = len(z["centroids"]), float(z["sample_rate"]) / float(z["hop_length"])
     else:
-        speech_vocab = 1 + max(max(r["tokens"]) for r in train + heldout)
-    return train, heldout, speech_vocab
+        speech_vocab, frame_rate = 1 + max(max(r["tokens"]) for r in train + heldout), 25.0
+    return train, heldout, speech_vocab, frame_rate
 
 
-def build_meta(rows: list[dict], speech_vocab_size: int) -> TTSMeta:
-    chars = {c for r in rows for c in normalise_text(r["text"])}
-    return TTSMeta.build(chars, {r["speaker"] for r in rows}, speech_vocab_size)
+def build_meta(rows: list[dict], speech_vocab_size: int, frame_rate: float, front_end: str) -> TTSMeta:
+    symbols = {c for r in rows for c in text_symbols(r["text"], front_end)}
+    return TTSMeta.build(symbols, {r["speaker"] for r in rows}, speech_vocab_size, frame_rate, front_end)
 
 
 def to_examples(meta: TTSMeta, rows: list[dict]) -> list[Example]:
@@ -221,9 +222,10 @@ def train_model(corpus_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: 
     """Train, evaluate on the held-out set, sanity-sample, save; returns the report (also saved beside the model)."""
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.hidden % cfg.heads or cfg.heads % cfg.kv_heads:
         raise ValueError(f"bad config: steps/batch_size >= 1, hidden divisible by heads, heads by kv_heads: {cfg}")
-    train_rows, heldout_rows, speech_vocab = load_splits(corpus_dir, cfg)
-    meta = build_meta(train_rows, speech_vocab)
-    heldout_rows = [r for r in heldout_rows if r["speaker"] in meta.speaker_to_id and set(normalise_text(r["text"])) <= set(meta.char_to_id)]
+    train_rows, heldout_rows, speech_vocab, frame_rate = load_splits(corpus_dir, cfg)
+    meta = build_meta(train_rows, speech_vocab, frame_rate, cfg.front_end)
+    heldout_rows = [r for r in heldout_rows if r["speaker"] in meta.speaker_to_id
+                    and set(text_symbols(r["text"], cfg.front_end)) <= set(meta.char_to_id)]
     train, heldout = to_examples(meta, train_rows), to_examples(meta, heldout_rows)
     if max(len(e.input_ids) for e in train + heldout) > cfg.max_positions:
         raise TrainingDataError(f"an example is longer than max_positions={cfg.max_positions}")

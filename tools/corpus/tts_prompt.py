@@ -4,9 +4,11 @@ Vocabulary layout (ids in this order; recorded in `echospec_tts.json` beside the
 
     0 <pad>, 1 <bos> | characters | speaker tokens | <tts> task token | speech tokens (contiguous) | <eos_speech>
 
-Prompt = <bos> speaker text-characters <tts>; the model continues with speech tokens (model id =
-speech_offset + store-local id) and ends with <eos_speech> (`stop_id`). Text is lower-cased with runs of
-whitespace collapsed; a character outside the map is an error rather than silently dropped.
+Prompt = <bos> speaker text-symbols <tts>; the model continues with speech tokens (model id =
+speech_offset + store-local id) and ends with <eos_speech> (`stop_id`). The text symbols are what the
+checkpoint's front end makes of the text (`front_end`): "phonemes", eSpeak NG's IPA (tools/corpus/phonemes.py;
+the shipped sample), or "characters", the text lower-cased with runs of whitespace collapsed. A symbol
+outside the map is an error rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from . import SAMPLE_MODEL_DIR
 META_FILE = "echospec_tts.json"
 FORMAT = "echospec-tts/1"
 PAD_ID, BOS_ID = 0, 1
+FRONT_ENDS = ("phonemes", "characters")
 
 
 class PromptError(ValueError):
@@ -45,10 +48,14 @@ class TTSMeta:
     bos_id: int = BOS_ID
     frame_rate: float = 25.0
     format: str = FORMAT
+    front_end: str = "characters"  # what `char_to_id` maps: see text_symbols
 
     @classmethod
-    def build(cls, chars: Iterable[str], speakers: Iterable[str], speech_vocab_size: int, frame_rate: float = 25.0) -> TTSMeta:
-        """Lay out specials, sorted characters, sorted speakers, the task token, speech tokens, stop token."""
+    def build(cls, chars: Iterable[str], speakers: Iterable[str], speech_vocab_size: int, frame_rate: float = 25.0,
+              front_end: str = "characters") -> TTSMeta:
+        """Lay out specials, sorted text symbols, sorted speakers, the task token, speech tokens, stop token."""
+        if front_end not in FRONT_ENDS:
+            raise PromptError(f"front end {front_end!r}: expected one of {FRONT_ENDS}")
         chars, speakers = sorted(set(chars)), sorted(set(speakers))
         if speech_vocab_size < 1 or not chars or not speakers:
             raise PromptError("a TTS vocabulary needs characters, speakers and at least one speech token")
@@ -57,7 +64,8 @@ class TTSMeta:
         task_id = 2 + len(chars) + len(speakers)
         offset = task_id + 1
         stop_id = offset + speech_vocab_size
-        return cls(char_to_id, speaker_to_id, task_id, offset, speech_vocab_size, stop_id, stop_id + 1, frame_rate=frame_rate)
+        return cls(char_to_id, speaker_to_id, task_id, offset, speech_vocab_size, stop_id, stop_id + 1,
+                   frame_rate=frame_rate, front_end=front_end)
 
     @property
     def speakers(self) -> list[str]:
@@ -79,27 +87,37 @@ class TTSMeta:
             raise PromptError(f"{path} not found: is {model_dir} an echospec TTS checkpoint?") from None
         except (json.JSONDecodeError, TypeError) as e:
             raise PromptError(f"{path}: not a valid {FORMAT} file ({e})") from None
-        if meta.format != FORMAT:
-            raise PromptError(f"{path}: format {meta.format!r}, expected {FORMAT!r}")
+        if meta.format != FORMAT or meta.front_end not in FRONT_ENDS:
+            raise PromptError(f"{path}: format {meta.format!r} with front end {meta.front_end!r}, expected "
+                              f"{FORMAT!r} with one of {FRONT_ENDS}")
         return meta
 
 
 def normalise_text(text: str) -> str:
-    """Lower-case and collapse whitespace: the form the model was trained on."""
+    """Lower-case and collapse whitespace: the characters front end's form of a text."""
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
+def text_symbols(text: str, front_end: str) -> str:
+    """What a model with `front_end` reads of `text`: its IPA phonemes, or its normalised characters."""
+    if front_end == "phonemes":
+        from .phonemes import to_phonemes
+
+        return to_phonemes(normalise_text(text))
+    return normalise_text(text)
+
+
 def encode_prompt(meta: TTSMeta, text: str, speaker: str) -> list[int]:
-    """<bos> speaker characters <tts>: model input ids that ask for `speaker` saying `text`."""
+    """<bos> speaker text-symbols <tts>: model input ids that ask for `speaker` saying `text`."""
     if speaker not in meta.speaker_to_id:
         raise PromptError(f"unknown speaker {speaker!r}; the model knows {meta.speakers}")
-    norm = normalise_text(text)
-    if not norm:
+    symbols = text_symbols(text, meta.front_end)
+    if not symbols:
         raise PromptError("empty text")
-    unknown = sorted({c for c in norm if c not in meta.char_to_id})
+    unknown = sorted({c for c in symbols if c not in meta.char_to_id})
     if unknown:
-        raise PromptError(f"characters {unknown} are not in the model's vocabulary")
-    return [meta.bos_id, meta.speaker_to_id[speaker], *(meta.char_to_id[c] for c in norm), meta.task_id]
+        raise PromptError(f"{meta.front_end} {unknown} are not in the model's vocabulary")
+    return [meta.bos_id, meta.speaker_to_id[speaker], *(meta.char_to_id[c] for c in symbols), meta.task_id]
 
 
 def encode_target(meta: TTSMeta, tokens: Sequence[int]) -> list[int]:
