@@ -107,6 +107,18 @@ def test_retriever_rooms_import_only_what_they_may():
     assert set(DOCUMENTED_PATHS) <= {str(p.relative_to(ROOT)) for p in (ROOT / "retriever").glob("*.py")}
 
 
+# the service's layers, bottom up: its ASGI helpers know no app, the app no start-up (start.py runs it on uvicorn)
+SERVICE_LAYERS = {"asgi": set(), "app": {"asgi"}, "start": {"app"}}
+
+
+def test_the_service_layers_import_downwards_only():
+    service = ROOT / "retriever" / "service"
+    used = {layer: {n.rsplit(".", 1)[-1] for n in _echospec_imports(service / f"{layer}.py", names=True)
+                    if n.rsplit(".", 1)[-1] in SERVICE_LAYERS} for layer in SERVICE_LAYERS}
+    assert {layer: names - SERVICE_LAYERS[layer] for layer, names in used.items() if names - SERVICE_LAYERS[layer]} == {}
+    assert used["app"] == {"asgi"}  # the parse sees them
+
+
 def test_outside_the_retriever_the_kernels_are_reached_through_the_replay_seam_alone():
     # retriever/replay.py names the kernels that scripts replaying a proposal may call; the rest stay private
     outside = [p for folder in ("datastore", "decoder", "tools") for p in (ROOT / folder).rglob("*.py")]
