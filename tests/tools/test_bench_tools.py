@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from echospec.tools.benchmarks.rest_reference import SEPARATOR, RestReference, suffix_array, trie_of
+from echospec.tools.benchmarks.support.rest_reference import SEPARATOR, RestReference, suffix_array, trie_of
 from echospec.tools.corpus.synth_corpus import Corpus, SynthConfig, generate, main, write_jsonl
 
 SMALL = SynthConfig(n_tokens=60_000, n_speakers=8, n_phrases=500, seed=3)

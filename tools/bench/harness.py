@@ -1,4 +1,5 @@
-"""The benchmark harness: what every speed comparison under tools/ does the same way (see BENCHMARKING.md).
+"""The benchmark harness: what every speed comparison under tools/ does the same way (what it promises:
+docs/benchmarking.md).
 
 - Systems are `System`s whose `run(prompt, seed)` returns a `Run`: the tokens, target forwards, seconds and
   the tree sizes of one decode. `hf_generate_run` times Hugging Face `generate` (the greedy and prompt-lookup

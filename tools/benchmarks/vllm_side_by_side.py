@@ -17,7 +17,7 @@ OUT/audio).
     python -m echospec.tools.benchmarks.vllm_side_by_side --modes sampling --ks 8 --batches 1,8 \
         --systems none,echospec-tolerance/beta=0.05,echospec-tolerance/beta=0.1,echospec-filtered/tau=20
 
-Every system's engine starts once per k (a worker process each, see vllm_engines) and the systems then
+Every system's engine starts once per k (a worker process each, see support/vllm_engines) and the systems then
 take turns, round after round, in an order rotated each round. All systems of a cell get the same prompts,
 and no (speaker, text) prompt is met twice in a run (see prompt_pool): SuffixDecoding caches every output it
 served, and would otherwise replay its own earlier answer to a repeated prompt. Reported per cell:
@@ -46,8 +46,8 @@ import click
 import numpy as np
 
 from ..corpus import SAMPLE_DIR, SAMPLE_MODEL_DIR  # paths only: numba must not load before vLLM (vllm_engines)
-from .vllm_engines import Engine, tokens_per_step
-from .vllm_quality import quality_change, score_on_audio, score_tokens
+from .support.vllm_engines import Engine, tokens_per_step
+from .support.vllm_quality import quality_change, score_on_audio, score_tokens
 
 SYSTEMS = ("none", "ngram", "suffix", "echospec-general", "echospec-speaker", "echospec-service",
            "echospec-filtered", "echospec-tolerance", "echospec-similarity", "echospec-pcg")
