@@ -392,11 +392,11 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
     if audio and missing:
         raise click.UsageError(f"--audio needs the quality extra ({missing} is missing): pip install -e '.[quality]'")
     audio = audio is not False and missing is None
-    unknown = [s for s in systems if s not in SYSTEMS and relaxed_policy(s) is None]
-    if unknown:
-        raise click.UsageError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)} "
-                               "(a relaxed one may set a knob: echospec-filtered/tau=40)")
     try:
+        unknown = [s for s in systems if s not in SYSTEMS and relaxed_policy(s) is None]
+        if unknown:
+            raise click.UsageError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)} "
+                                   "(a relaxed one may set a knob: echospec-filtered/tau=40)")
         rules = relaxed_rules(RelaxedSettings(tau=tau, beta=beta, similarity=similarity), systems)
     except ValueError as e:
         raise click.UsageError(f"--systems: {e}") from None
@@ -460,7 +460,9 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
 
 def relaxed_policy(system: str) -> str | None:
     """The relaxed rule a system asks for ("echospec-filtered", "echospec-filtered/tau=40"), or None."""
-    return RELAXED.get(system.partition("/")[0])
+    from ..bench.spec import SystemName  # on first use: numba must not load before vLLM
+
+    return RELAXED.get(SystemName.parse(system).policy)
 
 
 def relaxed_rules(settings, systems=RELAXED) -> dict[str, dict]:
@@ -470,18 +472,14 @@ def relaxed_rules(settings, systems=RELAXED) -> dict[str, dict]:
     so the report says what ran. ValueError names a knob the policy does not have."""
     from echospec.decoder.vllm_acceptance import read_rule
 
+    from ..bench.spec import SystemName
+
     rules = {}
     for system in systems:
         policy = relaxed_policy(system)
         if policy is None:
             continue
-        knobs = settings.knobs(policy)
-        if "/" in system:
-            key, _, value = system.partition("/")[2].partition("=")
-            try:
-                knobs[key] = int(value) if value.isdigit() else float(value)
-            except ValueError:
-                raise ValueError(f"{system}: a knob is key=number, got {system.partition('/')[2]!r}") from None
+        knobs = settings.knobs(policy) | dict(SystemName.parse(system).settings)
         rule = read_rule({"echospec": {"policy": policy, **knobs}})
         rules[system] = {"policy": rule.policy, **rule.options}
     return rules
