@@ -127,27 +127,29 @@ class Retriever:
         # positional: the two calls every proposal makes (numba dispatches keyword arguments slower)
         conts, stats = kernels.gather_exact(ctx, self._general, speaker_store, speaker is not None, max_depth,
                                             self._settings)
-        if stats[kernels.FAISS, kernels.FIRST_ROW] == kernels.DAMAGED:
+        # the stats record, read once: (FIRST_ROW, ROWS, MATCH, OCCURRENCES) per source; FAISS's first row is where
+        # the exact rows end, or DAMAGED
+        exact_rows = stats[kernels.FAISS, kernels.FIRST_ROW]
+        if exact_rows == kernels.DAMAGED:
             speaker_damaged = stats[kernels.SPEAKER, kernels.ROWS] == kernels.DAMAGED
             raise self._damaged(self._speaker_stores[speaker][1].directory if speaker_damaged else self._general_dir,
                                 "an entry of its suffix array, first-token table or token stream is out of range")
         exact_match = max(stats[kernels.SPEAKER, kernels.MATCH], stats[kernels.GENERAL, kernels.MATCH])
+        faiss_rows = 0
         if faiss is not None and exact_match < self.faiss_below:
             # with interleaved codebooks only neighbours ending in the context's own codebook are taken (their
             # continuations start in the codebook due next): ask for codebooks x as many, so enough remain
-            rows = kernels.gather_positions(store=self._general,
-                                            positions=faiss.search(ctx, self.faiss_k * self.codebooks),
-                                            vocab_size=self.vocab_size, width=self._width,
-                                            book=ctx[-1] // self._width, out=conts,
-                                            row0=stats[kernels.FAISS, kernels.FIRST_ROW])
-            if rows == kernels.DAMAGED:
+            faiss_rows = kernels.gather_positions(store=self._general,
+                                                  positions=faiss.search(ctx, self.faiss_k * self.codebooks),
+                                                  vocab_size=self.vocab_size, width=self._width,
+                                                  book=ctx[-1] // self._width, out=conts, row0=exact_rows)
+            if faiss_rows == kernels.DAMAGED:
                 raise self._damaged(f"{self.datastore.root / 'faiss'} or the general store",
                                     "a neighbour's id or its continuation is out of range")
             # a neighbour's match is one token, its support the rows found
-            stats[kernels.FAISS, kernels.ROWS:] = (rows, 1, rows)
+            stats[kernels.FAISS, kernels.ROWS:] = (faiss_rows, 1, faiss_rows)
         if self.codebooks > 1:
-            kernels.keep_layout(conts=conts, n_rows=stats[kernels.FAISS, kernels.FIRST_ROW] +
-                                stats[kernels.FAISS, kernels.ROWS], last=ctx[-1], width=self._width,
+            kernels.keep_layout(conts=conts, n_rows=exact_rows + faiss_rows, last=ctx[-1], width=self._width,
                                 codebooks=self.codebooks)
         return CandidateTree.trusted(kernels.finish(conts, stats, self.weights, max_nodes))
 

@@ -107,6 +107,18 @@ def test_retriever_rooms_import_only_what_they_may():
     assert set(DOCUMENTED_PATHS) <= {str(p.relative_to(ROOT)) for p in (ROOT / "retriever").glob("*.py")}
 
 
+# the service's layers, bottom up: its ASGI helpers know no app, the app no start-up (start.py runs it on uvicorn)
+SERVICE_LAYERS = {"asgi": set(), "app": {"asgi"}, "start": {"app"}}
+
+
+def test_the_service_layers_import_downwards_only():
+    service = ROOT / "retriever" / "service"
+    used = {layer: {n.rsplit(".", 1)[-1] for n in _echospec_imports(service / f"{layer}.py", names=True)
+                    if n.rsplit(".", 1)[-1] in SERVICE_LAYERS} for layer in SERVICE_LAYERS}
+    assert {layer: names - SERVICE_LAYERS[layer] for layer, names in used.items() if names - SERVICE_LAYERS[layer]} == {}
+    assert used["app"] == {"asgi"}  # the parse sees them
+
+
 def test_outside_the_retriever_the_kernels_are_reached_through_the_replay_seam_alone():
     # retriever/replay.py names the kernels that scripts replaying a proposal may call; the rest stay private
     outside = [p for folder in ("datastore", "decoder", "tools") for p in (ROOT / folder).rglob("*.py")]
@@ -115,11 +127,20 @@ def test_outside_the_retriever_the_kernels_are_reached_through_the_replay_seam_a
     assert any("echospec.retriever.replay" in _echospec_imports(p, names=True) for p in outside)  # the parse sees it
 
 
-def test_the_benchmarks_index_lists_every_benchmark():
-    import echospec.tools.benchmarks as benchmarks
+def _indexed(module) -> set[str]:
+    return {line.split()[0] for line in module.__doc__.splitlines() if line.startswith("    ") and line[4] != " "}
 
-    listed = {line.split()[0] for line in benchmarks.__doc__.splitlines() if line.startswith("    ")}
-    assert listed == {p.stem for p in (ROOT / "tools" / "benchmarks").glob("*.py")} - {"__init__"}
+
+def test_the_benchmarks_index_lists_every_benchmark_and_support_every_helper():
+    import echospec.tools.benchmarks as benchmarks
+    import echospec.tools.benchmarks.support as support
+
+    folder = ROOT / "tools" / "benchmarks"
+    assert _indexed(benchmarks) == {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    assert _indexed(support) == {p.stem for p in (folder / "support").glob("*.py")} - {"__init__"}
+    # the helpers stand under the benchmarks, never on one
+    assert {str(p.relative_to(ROOT)) for p in (folder / "support").glob("*.py")
+            if any(n.startswith("echospec.tools.benchmarks.") and ".support" not in n for n in _echospec_imports(p))} == set()
 
 
 def test_no_module_is_over_500_lines_but_the_kernels():
@@ -132,7 +153,7 @@ def test_no_module_is_over_500_lines_but_the_kernels():
 def test_developer_benchmarks_stand_apart_from_what_ships():
     # the benchmarks use the library and tools/commands.py, never the CLI's modules; nothing that ships
     # imports a benchmark, so they can leave the wheel
-    benchmarks = sorted((ROOT / "tools" / "benchmarks").glob("*.py"))
+    benchmarks = sorted((ROOT / "tools" / "benchmarks").rglob("*.py"))
     assert {str(p.relative_to(ROOT)): sorted(n for n in _echospec_imports(p) if n.startswith("echospec.tools.cli"))
             for p in benchmarks if any(n.startswith("echospec.tools.cli") for n in _echospec_imports(p))} == {}
     shipped = [p for folder in MAY_IMPORT for p in (ROOT / folder).rglob("*.py") if "benchmarks" not in p.parts]

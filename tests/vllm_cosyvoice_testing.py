@@ -20,7 +20,7 @@ import os
 import time
 import traceback
 
-from echospec.tools.benchmarks.vllm_engines import SPEC_COUNTERS, Engine, _counters, engine_kwargs
+from echospec.tools.benchmarks.support.vllm_engines import SPEC_COUNTERS, Engine, _counters, engine_kwargs
 
 ARCHITECTURE = "CosyVoice2ForCausalLM"
 

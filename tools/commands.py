@@ -137,9 +137,10 @@ def audio_options(command):
     return command
 
 
-def audio_settings(audio_dir, audio_scores, vocoder, asr, speaker_encoder, mos, scoring_workers) -> dict:
-    """The audio options as the library's keyword arguments, checked: a spec that names nothing loadable is a
-    usage error (exit 2); asking for audio without the quality extra names the extra."""
+def scoring(tokenizer, audio_dir, audio_scores, vocoder, asr, speaker_encoder, mos, scoring_workers):
+    """The scoring options as the library's `Scoring`, checked: a spec that names nothing loadable is a usage
+    error (exit 2); asking for audio without the quality extra names the extra."""
+    from .bench.spec import Scoring
     from .audio.scorers import ASR_NAMES
     from .audio.vocoder import find_callable
 
@@ -160,6 +161,5 @@ def audio_settings(audio_dir, audio_scores, vocoder, asr, speaker_encoder, mos, 
             find_callable(spec, name)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint=name) from None
-    return {"audio_dir": audio_dir, "audio_scores": audio_scores, "vocoder": vocoder, "asr": asr,
-            "speaker_encoder": speaker_encoder, "mos": mos, "scoring_workers": scoring_workers}
+    return Scoring(tokenizer, audio_scores, vocoder, asr, speaker_encoder, mos, audio_dir, scoring_workers)
 

@@ -22,7 +22,9 @@ One module per concern:
   requests.py   what a request may be: routes, names, content types, body limits, bodies, options, errors
   stores.py     the served datastores, their snapshots and the catalog polling
   metrics.py    the Prometheus metrics
-  app.py        `Service`, the ASGI app (propose on a plain ASGI path, the rest FastAPI), and `serve`
+  app.py        `Service`, the ASGI app (propose on a plain ASGI path, the rest FastAPI)
+  asgi.py       the plain path's ASGI helpers: headers, the body under its limit, the responses
+  start.py      `serve`: the write key, the HTTP protocol, the open-file limit, uvicorn
   fast_http.py  the fast HTTP path: uvicorn's httptools protocol answering each request in one write and
                 binary proposals inline; used only under the uvicorn version it was written for
   read_guard.py slow or oversized requests: the read timeout and the head size limit, on either HTTP path
@@ -33,9 +35,10 @@ retriever-only install needs no web framework.
 
 from importlib import import_module
 
-from .app import API_KEY_ENV, Service, is_loopback, read_api_key, serve
+from .app import API_KEY_ENV, Service
 from .metrics import Metrics
 from .requests import EnrollRequest, Limits, ProposeRequest, ServiceError
+from .start import is_loopback, read_api_key, serve
 from .stores import Snapshot, StoreHandle, parse_store_arg
 
 _FAST_HTTP = ("ServiceHttpProtocol", "OneWriteHttpToolsProtocol", "INLINE_BODY_LIMIT")

@@ -1,4 +1,5 @@
-"""The service's ASGI application (`Service`) and `serve`, which runs it on uvicorn.
+"""The service's ASGI application, `Service` (start.py's `serve` runs it on uvicorn; asgi.py holds the plain
+path's ASGI helpers).
 
 The propose route bypasses FastAPI's routing and dependency machinery (it is the hot path; on this
 project's 2-core machine a FastAPI route answered about 30% fewer requests/s than a plain ASGI callable
@@ -9,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import logging
 import os
-import resource
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -33,10 +32,10 @@ from ...datastore.names import check_name
 from ..client.wire import WireError, decode_contexts, encode_trees
 from .metrics import Metrics
 from .requests import (BINARY_TYPE, BODY_TYPES, JSON_TYPE, EnrollRequest, Limits, ProposeRequest, ServiceError,
-                       Utterance, body_too_large, body_type, check_request_name, int64_ids, internal_error,
-                       length_within, merge_options, parse_query, route, validation_error)
-from .stores import Snapshot, StoreHandle, parse_store_arg
-from .read_guard import StockHttpProtocol, stock_protocol_class
+                       Utterance, body_type, check_request_name, int64_ids, internal_error, merge_options,
+                       parse_query, route, validation_error)
+from . import asgi
+from .stores import Snapshot, StoreHandle
 
 log = logging.getLogger("echospec.service")
 
@@ -90,19 +89,19 @@ class Service:
             if scope["method"] not in ("GET", "HEAD") and endpoint not in ("propose", "other"):
                 self._authenticate(scope)
             posted = scope["method"] == "POST" and endpoint in BODY_TYPES
-            kind = body_type(endpoint, _header(scope, b"content-type")) if posted else None
-            body = await _read_body(scope, receive, self.limits.max_body_bytes)
+            kind = body_type(endpoint, asgi.header(scope, b"content-type")) if posted else None
+            body = await asgi.read_body(scope, receive, self.limits.max_body_bytes)
             if endpoint == "propose" and posted:
-                await _send(send_tracked, 200, self.answer_propose(match.group(1), scope["query_string"], kind, body),
-                            kind)
+                await asgi.send_body(send_tracked, 200,
+                                     self.answer_propose(match.group(1), scope["query_string"], kind, body), kind)
             else:
-                await self.api(scope, _replay(body, receive), send_tracked)
-        except _ClientGone:
+                await self.api(scope, asgi.replay_body(body, receive), send_tracked)
+        except asgi.ClientGone:
             status = 499
         except Exception as e:
             error = self._failed(endpoint, e, f"{scope['method']} {scope['path']}")
             if status is None:
-                await _send_error(send_tracked, error)
+                await asgi.send_error(send_tracked, error)
         finally:
             self.metrics.observe(endpoint, status or 500, time.perf_counter() - started)
 
@@ -119,7 +118,7 @@ class Service:
         if self.api_key is None:
             raise ServiceError(403, "writes_disabled",
                                f"this service has no API key configured (set {API_KEY_ENV} or --api-key-file)")
-        header = _header(scope, b"authorization")
+        header = asgi.header(scope, b"authorization")
         if header is None:
             raise ServiceError(401, "unauthenticated", "writes need 'Authorization: Bearer <API key>'")
         scheme, _, key = header.partition(b" ")
@@ -327,140 +326,3 @@ class Service:
                 if bad.size:
                     raise ServiceError(422, "id_out_of_range", f"utterances[{i}] holds raw id {int(bad[0])}; "
                                                                f"speech ids are {lo}..{hi - 1} (raw model ids)")
-
-
-# ---------------------------------------------------------------------------------------------------
-# ASGI helpers
-
-
-class _ClientGone(Exception):
-    pass
-
-
-def _header(scope, name: bytes) -> bytes | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value
-    return None
-
-
-async def _read_body(scope, receive, limit: int) -> bytes:
-    length = _header(scope, b"content-length")
-    if length is not None and not length_within(length, limit):
-        raise body_too_large(limit)
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks)
-
-
-def _replay(body: bytes, receive):
-    """A `receive` that hands the already-read body to the inner app, then defers to the real one."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def replayed():
-        return pending.pop() if pending else await receive()
-
-    return replayed
-
-
-async def _send(send, status: int, body: bytes, content_type: bytes, extra_headers=()) -> None:
-    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *extra_headers]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _send_error(send, error: ServiceError) -> None:
-    # After a 413 the rest of the body is still in the socket: close rather than parse it as a request.
-    extra = [(b"connection", b"close")] if error.status == 413 else []
-    await _send(send, error.status, error.json(), JSON_TYPE, extra)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Running it
-
-
-def read_api_key(api_key_file: str | Path | None = None) -> str | None:
-    """The write key: the file's first line when a file is given, else $ECHOSPEC_API_KEY, else None."""
-    if api_key_file is not None:
-        key = Path(api_key_file).read_text().strip()
-        if not key:
-            raise ValueError(f"{api_key_file}: empty API key file")
-        return key
-    return os.environ.get(API_KEY_ENV) or None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def http_protocol():
-    """fast_http's ServiceHttpProtocol when the installed uvicorn is the one it was written for, else
-    uvicorn's own protocol (with the read guard): slower, the same answers."""
-    try:
-        from .fast_http import ServiceHttpProtocol
-    except ImportError as e:
-        log.warning("%s: serving with uvicorn's own HTTP protocol (slower, the same answers)", e)
-    else:
-        return ServiceHttpProtocol
-    try:
-        stock_protocol_class()
-    except (ImportError, AttributeError, KeyError) as e:  # a uvicorn that moved its protocol table
-        log.warning("uvicorn's protocol table not found (%s): slow clients are not timed out", e)
-        return "auto"
-    return StockHttpProtocol
-
-
-def serve(stores: Sequence[str], host: str = "127.0.0.1", port: int = 8750, api_key_file: str | None = None,
-          limits: Limits = Limits(), retriever_options: dict | None = None, reload_interval: float | None = 1.0,
-          log_level: str = "warning", docs: bool = False, strict: bool = False, access: str = "auto") -> None:
-    """Open `stores` (`PATH` or `NAME=PATH`) and serve them until interrupted; `docs` also serves the API's
-    description (/docs, /redoc, /openapi.json); `strict` refuses to start when a store is damaged; `access`
-    says how the stores read from disk (open_datastore's: "auto", "random", "stream" or "readahead")."""
-    import uvicorn
-
-    named = dict(parse_store_arg(s) for s in stores)
-    if len(named) != len(stores):
-        raise ValueError("two stores share a name; give NAME=PATH")
-    api_key = read_api_key(api_key_file)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not is_loopback(host):
-        log.warning("listening on %s: proposals and store listings are readable by anyone who can reach it", host)
-    if api_key is None:
-        log.warning("no API key (%s or --api-key-file): enrollment is disabled", API_KEY_ENV)
-    service = Service(named, api_key, limits, retriever_options, reload_interval, docs, strict, access)
-    allow_open_files(limits.max_connections + OPEN_FILES_BESIDE_CONNECTIONS)
-    # uvicorn answers 503 at max_connections + 1: read_guard closes idle connections first, so only when
-    # every connection is busy.
-    uvicorn.run(service, host=host, port=port, log_level=log_level, access_log=False, server_header=False,
-                timeout_keep_alive=limits.keep_alive, limit_concurrency=limits.max_connections + 1,
-                http=http_protocol(), proxy_headers=False)  # no proxy in front: X-Forwarded-* would only cost time
-
-
-OPEN_FILES_BESIDE_CONNECTIONS = 512  # the stores' memory maps, the log, the catalog polls
-
-
-def allow_open_files(needed: int) -> None:
-    """Raise this process's open-file limit to `needed` where the hard limit allows (many systems start
-    services at 1024, fewer than the connections the service holds plus its stores' files)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    if target < needed:
-        log.warning("open-file limit %d is below the %d that --max-connections needs; raise it (ulimit -n)",
-                    target, needed)

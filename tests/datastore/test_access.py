@@ -32,6 +32,7 @@ def test_auto_advises_random_only_where_the_store_would_not_fit_in_half_the_memo
     assert available is None or available > 0
 
 
+@pytest.mark.slow  # about 80 s on a 2-core machine: a store per access mode
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the advice back from Linux's smaps")
 def test_the_kernel_gets_the_advice_and_proposals_do_not_depend_on_it(tmp_path):
     store, corpus = make_store(tmp_path / "a", n_tokens=20_000, n_speakers=2)

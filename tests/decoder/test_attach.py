@@ -167,6 +167,7 @@ REPLICAS = {
 }
 
 
+@pytest.mark.slow  # 40-70 s a replica on a 2-core machine: the whole README test command runs it
 @pytest.mark.parametrize("name", sorted(REPLICAS))
 def test_exact_greedy_is_model_generate(name, tmp_path):
     make, preset_for, prompt_for = REPLICAS[name]

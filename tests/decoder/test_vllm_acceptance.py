@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from vllm_testing import COSY_SPEECH, COSY_STOPS, cosyvoice_replica  # noqa: E402
 
 from echospec.decoder import vllm_acceptance  # noqa: E402
-from echospec.tools.benchmarks.vllm_engines import Engine, EngineError  # noqa: E402
+from echospec.tools.benchmarks.support.vllm_engines import Engine, EngineError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

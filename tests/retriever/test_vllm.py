@@ -30,7 +30,7 @@ from vllm_testing import COSY_SPEECH, COSY_STOPS, cosyvoice_replica, vllm_sized,
 from echospec.datastore import build  # noqa: E402
 from echospec.retriever.engines.proposer import read_options  # noqa: E402
 from echospec.retriever.vllm_proposer import EchospecProposer  # noqa: E402  (the path configs name)
-from echospec.tools.benchmarks.vllm_engines import Engine, tokens_per_step  # noqa: E402
+from echospec.tools.benchmarks.support.vllm_engines import Engine, tokens_per_step  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +162,7 @@ def test_a_dead_service_leaves_the_engine_generating_the_same_tokens(cosyvoice):
 def vllm_config(model: str, options: dict):
     from vllm.engine.arg_utils import EngineArgs
 
-    from echospec.tools.benchmarks.vllm_engines import engine_kwargs
+    from echospec.tools.benchmarks.support.vllm_engines import engine_kwargs
     return EngineArgs(**engine_kwargs(model, spec(8), {"echospec": options})).create_engine_config()
 
 

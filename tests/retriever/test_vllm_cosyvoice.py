@@ -19,7 +19,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from vllm_cosyvoice_testing import ARCHITECTURE, CosyVoiceEngine  # noqa: E402
 
 from echospec.datastore import build  # noqa: E402
-from echospec.tools.benchmarks.vllm_engines import tokens_per_step  # noqa: E402
+from echospec.tools.benchmarks.support.vllm_engines import tokens_per_step  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # two engine starts on a loaded 2-core machine
 SPEECH, STOPS = 6561, (6561, 6562, 6563)  # CosyVoice 2: speech_token_size, and its 3 stop ids

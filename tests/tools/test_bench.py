@@ -97,10 +97,10 @@ def test_bench_lossless_policies_reproduce_autoregressive(sample_store, tmp_path
 
 def test_bench_rounds_decode_every_prompt_again(sample_store):
     from echospec.decoder import NODES
-    from echospec.tools.bench import bench
+    from echospec.tools.bench import BenchSpec, Inputs, bench
 
-    report = bench(SAMPLE_MODEL_DIR, sample_store, SAMPLE_PROMPTS, policies=("exact-sampling",), stores=("general",),
-                   limit=2, rounds=2, max_new_tokens=8, progress=False)
+    report = bench(BenchSpec(Inputs(SAMPLE_MODEL_DIR, sample_store, SAMPLE_PROMPTS, limit=2), policies=("exact-sampling",),
+                             stores=("general",), rounds=2, max_new_tokens=8, progress=False))
     assert report["setup"]["utterances"] == 4 and report["setup"]["rounds"] == 2
     assert report["setup"]["max_nodes"] == NODES and not report["auto_budgets"]  # generate's default budget
     for name, runs in report["utterances"].items():

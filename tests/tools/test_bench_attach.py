@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from echospec.datastore import build
 from echospec.decoder import NODES, presets
-from echospec.tools.bench import bench
+from echospec.tools.bench import BenchSpec, Inputs, bench
 from echospec.tools.cli import main
 
 
@@ -108,10 +108,10 @@ def test_bench_python_api_with_a_head_and_embeddings(tmp_path):
                {"id": "callable", "inputs_embeds": lambda: made[1]["inputs_embeds"],
                 "prompt_speech": made[1]["prompt_speech"]},
                {"id": "tensor", **made[2]}]
-    report = bench(llm.llm.model, store, prompts, speech=preset.speech, head=llm.llm_decoder,
-                   speech_embedding=llm.speech_embedding, sampler=preset.sampler, token_rate=preset.token_rate,
-                   policies=("exact-greedy", "exact-sampling"), stores=("general",), max_new_tokens=30,
-                   progress=False)
+    inputs = Inputs(llm.llm.model, store, prompts, speech=preset.speech, head=llm.llm_decoder,
+                    speech_embedding=llm.speech_embedding, token_rate=preset.token_rate)
+    report = bench(BenchSpec(inputs, policies=("exact-greedy", "exact-sampling"), stores=("general",),
+                             sampler=preset.sampler, max_new_tokens=30, progress=False))
     systems = report["systems"]
     assert set(systems) == {"autoregressive", "ar-sampling", "exact-greedy/general", "exact-sampling/general"}
     lossless(systems, "exact-greedy/general", "exact-sampling/general")

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from echospec.tools.benchmarks.rest_reference import SEPARATOR, RestReference, suffix_array, trie_of
+from echospec.tools.benchmarks.support.rest_reference import SEPARATOR, RestReference, suffix_array, trie_of
 from echospec.tools.corpus.synth_corpus import Corpus, SynthConfig, generate, main, write_jsonl
 
 SMALL = SynthConfig(n_tokens=60_000, n_speakers=8, n_phrases=500, seed=3)
@@ -210,6 +210,7 @@ def test_continuation_choice_replays_the_gather(tmp_path):
     only where the cap binds."""
     from echospec.datastore import build
     from echospec.retriever import Retriever
+    from echospec.retriever.replay import GeneralStore
     from echospec.tools.benchmarks.bench_shards import oracle
     from echospec.tools.benchmarks.continuation_choice import Chosen, propose
 
@@ -217,14 +218,15 @@ def test_continuation_choice_replays_the_gather(tmp_path):
     ds = build(tmp_path / "c.jsonl", tmp_path / "s", per_speaker=False, faiss=False, progress=False)
     r = Retriever(ds, prompt_lookup=False, use_faiss=False, cap=4, min_support=2)
     wide = Retriever(ds, prompt_lookup=False, use_faiss=False, cap=10_000, min_support=2)
+    general, wide_general = GeneralStore(r), GeneralStore(wide)
     differs = 0
     for u in utterances[:10]:
         for pos in range(1, len(u), 7):
             ctx = np.asarray(u[:pos], np.int64)
-            block, spread = propose(r, ctx, 4), propose(r, ctx, 0)
+            block, spread = propose(general, ctx, 4), propose(general, ctx, 0)
             assert block is not None and block.to_dict() == r.propose(ctx).to_dict()
             differs += block.to_dict() != spread.to_dict()
-            assert propose(wide, ctx, 0).to_dict() == wide.propose(ctx).to_dict()  # every occurrence read
+            assert propose(wide_general, ctx, 0).to_dict() == wide.propose(ctx).to_dict()  # every occurrence read
     assert differs > 0
     held = [np.asarray(u, np.int64) for u in utterances[:5]]
     assert oracle(Chosen(r, 4), held) == oracle(r, held) != oracle(Chosen(r, 1), held)

@@ -2,11 +2,13 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from echospec.tools.benchmarks import cost_curves, gpu_check
 
 
+@pytest.mark.slow  # about 80 s on a 2-core machine (two cost curves and a bench)
 def test_gpu_check_runs_on_the_cpu(tmp_path):
     result = CliRunner().invoke(gpu_check.main, ["--device", "cpu", "--dtype", "float32", "--tiny",
                                                  "--out", str(tmp_path)])

@@ -11,7 +11,7 @@ import pytest
 from echospec.datastore import build
 from echospec.decoder import Filtered, SimilarityGroups, Tolerance
 from echospec.tools.bench.harness import RelaxedSettings
-from echospec.tools.benchmarks.vllm_quality import score_on_audio
+from echospec.tools.benchmarks.support.vllm_quality import score_on_audio
 from echospec.tools.benchmarks.vllm_side_by_side import (main, prompt_pool, relaxed_rules, replay_drafters,
                                                          steps_taken, summarise, table)
 from echospec.tools.corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER

@@ -17,6 +17,7 @@ import dataclasses
 from pathlib import Path
 
 from .harness import POLICIES, BenchError, pyplot, save_figure
+from .spec import SystemName
 
 KNOBS = {"tau": (("filtered", "tau", int),), "beta": (("tolerance", "beta", float),),
          "threshold": (("similarity", "similarity", float), ("pcg", "similarity", float))}
@@ -80,25 +81,26 @@ def frontier(report: dict) -> dict:
     if BASELINE not in systems:
         raise BenchError("the frontier needs the ar-sampling baseline")
     baseline = systems[BASELINE]
-    store = next(n.split("/")[1] for n in systems if n.count("/") == 2 and "=" in n)
+    names = {name: SystemName.parse(name) for name in systems}
+    store = next(n.store for n in names.values() if n.settings)
     relaxed = report["setup"]["relaxed"]
     policies = {}
     for knob in report["setup"]["sweeps"]:
         for policy, field, _ in KNOBS[knob]:
-            names = [n for n in systems if n.startswith(f"{policy}/{store}/{knob}=")]
-            if not names:
+            swept = [name for name, n in names.items()
+                     if (n.policy, n.store) == (policy, store) and n.settings and n.settings[0][0] == knob]
+            if not swept:
                 continue
-            default = f"{policy}/{store}"
-            if default in systems:
-                names.append(default)
+            default = str(SystemName(policy, store))
             points = []
-            for name in names:
+            for name in swept + ([default] if default in systems else []):
                 entry = systems[name]
-                setting = (name.rpartition("=")[2] if "=" in name
+                settings = names[name].settings
+                setting = (str(settings[0][1]) if settings
                            else "class default" if relaxed.get(field) is None else str(relaxed.get(field)))
                 measures = {m: _measure(entry, baseline, m) for m in MEASURES}
                 measures = {m: v for m, v in measures.items() if v is not None}
-                points.append({"system": name, "setting": setting, "default": "=" not in name,
+                points.append({"system": name, "setting": setting, "default": not settings,
                                "speedup": entry["speedup"],
                                "speedup_ci95": entry["speedup_ci95"], "speedup_paired": entry["speedup_paired"],
                                "tokens_per_forward": entry["tokens_per_forward"], "measures": measures,
@@ -106,7 +108,7 @@ def frontier(report: dict) -> dict:
             policies[policy] = {"knob": knob, "points": points} | choose(points, list(MEASURES))
     lossless = {name: {"identical_to_baseline": s.get("identical_to_baseline"),
                        "changes": {m: _measure(s, baseline, m) for m in MEASURES}}
-                for name, s in systems.items() if name.startswith("exact-sampling/")}
+                for name, s in systems.items() if names[name].policy == "exact-sampling" and names[name].store}
     return {"baseline": BASELINE, "store": store, "policies": policies, "lossless": lossless,
             "rule": f"fastest setting >= {MIN_SPEEDUP}x whose every measure lies inside the baseline's 95% interval "
                     f"(log-likelihood within +-{100 * LOG_LIKELIHOOD_BOUND:.0f}%)",

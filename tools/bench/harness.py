@@ -1,4 +1,5 @@
-"""The benchmark harness: what every speed comparison under tools/ does the same way (see BENCHMARKING.md).
+"""The benchmark harness: what every speed comparison under tools/ does the same way (what it promises:
+docs/benchmarking.md).
 
 - Systems are `System`s whose `run(prompt, seed)` returns a `Run`: the tokens, target forwards, seconds and
   the tree sizes of one decode. `hf_generate_run` times Hugging Face `generate` (the greedy and prompt-lookup
@@ -75,12 +76,13 @@ class Run:
 
 @dataclass
 class System:
-    """One way of decoding, and what its speed and output are judged against."""
+    """One way of decoding, and what its speed and output are judged against. `bench` names its systems (and
+    their baselines) with spec.SystemName; a developer benchmark may use a plain label."""
 
-    name: str
+    name: object  # a SystemName, or a label
     run: Callable[[Prompt, int], Run]
-    baseline: str = ""  # the system this one's speed-up is measured against (default: itself)
-    lossless_of: str | None = None  # a lossless system must reproduce this one (greedy) or match it in distribution
+    baseline: object = ""  # the system (name) this one's speed-up is measured against (default: itself)
+    lossless_of: object = None  # a lossless system must reproduce this one (greedy) or match it in distribution
     accepted: list[int] = field(default_factory=list)
 
     def __post_init__(self):

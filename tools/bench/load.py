@@ -1,5 +1,5 @@
-"""Loading what `bench` decodes with: the model (on its device, in its dtype), the retriever, the speech ids,
-the prompts and the relaxed policies' settings (`decode_inputs`, which the developer benchmarks use too)."""
+"""Loading what `bench` decodes with: the model (on its device, in its dtype), the retriever, the speech ids and
+the prompts (`decode_inputs`, which the developer benchmarks use too), from a spec's `Inputs`; no policy knob."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from typing import NamedTuple
 import numpy as np
 
 from ..corpus.tts_prompt import META_FILE, TTSMeta, encode_prompt, load_sample_tts
-from .harness import DTYPES, BenchError, Prompt, RelaxedSettings
+from .harness import DTYPES, BenchError, Prompt
+from .spec import Inputs
 
 
-class DecodeInputs(NamedTuple):
+class Loaded(NamedTuple):
     """What a benchmark decodes with (see `decode_inputs`)."""
 
     model: object
@@ -22,27 +23,23 @@ class DecodeInputs(NamedTuple):
     retriever: object
     speech: object  # the model's SpeechVocab
     prompts: list[Prompt]
-    relaxed: RelaxedSettings
 
 
-def decode_inputs(checkpoint, store, prompts, limit: int | None = None, threads: int = 1, device: str = "cpu",
-                  dtype: str = "float32", *, speech=None, speech_offset: int | None = None,
-                  vocab_size: int | None = None, stop_ids=(), tau: int | None = None, beta: float | None = None,
-                  similarity: float | None = None, with_scorer: bool = False) -> DecodeInputs:
-    """The model (on `device`, in `dtype`), retriever, speech ids, prompts and relaxed policies' settings for
-    `checkpoint`, `store` and `prompts`, with `threads` torch threads; the options as `bench` takes them.
-    `with_scorer` also keeps a float32 copy to score with (a second model in memory outside float32)."""
+def decode_inputs(inputs: Inputs, with_scorer: bool = False) -> Loaded:
+    """The model (on `inputs.device`, in its dtype), retriever, speech ids and prompts of `inputs`, with its torch
+    threads. `with_scorer` also keeps a float32 copy to score with (a second model in memory outside float32)."""
     import torch
 
     from ...retriever import Retriever
 
-    torch.set_num_threads(threads)
-    model, meta = load_model(checkpoint)
+    torch.set_num_threads(inputs.threads)
+    model, meta = load_model(inputs.checkpoint)
+    device, dtype = inputs.device, inputs.dtype
     model, scorer = on_device(model, device, dtype) if with_scorer else (placed(model, device, dtype), None)
-    retriever = Retriever(store)
-    speech = speech or speech_vocab(meta, retriever.datastore, model, speech_offset, vocab_size, stop_ids)
-    return DecodeInputs(model, scorer, meta, retriever, speech, load_prompts(prompts, meta, limit),
-                        RelaxedSettings(tau, beta, similarity))
+    retriever = Retriever(inputs.store)
+    speech = inputs.speech or speech_vocab(meta, retriever.datastore, model, inputs.speech_offset, inputs.vocab_size,
+                                           inputs.stop_ids)
+    return Loaded(model, scorer, meta, retriever, speech, load_prompts(inputs.prompts, meta, inputs.limit))
 
 
 def load_model(checkpoint):

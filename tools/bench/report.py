@@ -14,10 +14,12 @@ from .audio import has_audio_scores, paper_table
 from .frontier import write_frontier
 from .harness import System, pyplot, save_figure
 from .quality import bootstrap_ci, median_ratio_ci, ratio_of_medians_ci, relative_difference_ci
+from .spec import SystemName
 
 
 def summarise(systems: list[System], rows: dict, token_rate: float) -> dict:
-    """Per-system medians, ratios to the baseline, tokens per forward and quality intervals."""
+    """Per-system medians, ratios to the baseline, tokens per forward and quality intervals; `rows` and the
+    systems are keyed by SystemName, the report (a JSON record) by its printed name."""
     median_tpt = {name: float(np.median([r["time_per_token"] for r in runs])) for name, runs in rows.items()}
     tokens_per_cost = {name: sum(r["new_tokens"] for r in runs) / sum(r["forward_cost"] for r in runs)
                        for name, runs in rows.items() if all(r["forward_cost"] is not None for r in runs)}
@@ -26,7 +28,7 @@ def summarise(systems: list[System], rows: dict, token_rate: float) -> dict:
         runs = rows[system.name]
         tpt, base_tpt = [r["time_per_token"] for r in runs], [r["time_per_token"] for r in rows[system.baseline]]
         entry = {
-            "baseline": system.baseline,
+            "baseline": str(system.baseline),
             "tokens_per_forward": sum(r["new_tokens"] for r in runs) / max(sum(r["forwards"] for r in runs), 1),
             "time_per_token_ms": {"median": 1e3 * median_tpt[system.name], "min": 1e3 * min(tpt), "max": 1e3 * max(tpt)},
             "speedup": median_tpt[system.baseline] / median_tpt[system.name],
@@ -58,8 +60,8 @@ def summarise(systems: list[System], rows: dict, token_rate: float) -> dict:
             reference = rows[system.lossless_of]
             entry["identical_to_baseline"] = sum(a["tokens"] == b["tokens"] for a, b in zip(runs, reference)) / len(runs)
             entry["divergences"] = [r["divergence"] | {"prompt": r["prompt"]} for r in runs if r.get("divergence")]
-        summary[system.name] = entry
-    return {"systems": summary, "utterances": rows}
+        summary[str(system.name)] = entry
+    return {"systems": summary, "utterances": {str(name): runs for name, runs in rows.items()}}
 
 
 def auto_against_fixed(rows: dict) -> dict:
@@ -72,10 +74,11 @@ def auto_against_fixed(rows: dict) -> dict:
         if not runs or "caps" not in runs[0]:
             continue
         auto = [r["time_per_token"] for r in runs]
-        fixed = {other[len(name) + 1:]: median_ratio_ci([r["time_per_token"] for r in rows[other]], auto)
-                 .to_dict("median") for other in rows if other.startswith(f"{name}/n")}
+        fixed = {f"n{other.budget[0]}d{other.budget[1]}": median_ratio_ci([r["time_per_token"] for r in rows[other]],
+                                                                           auto).to_dict("median")
+                 for other in rows if other.budget and other.with_budget(0, 0) == name.with_budget(0, 0)}
         if fixed:
-            compared[name] = fixed
+            compared[str(name)] = fixed
     return compared
 
 
@@ -90,7 +93,7 @@ def format_table(report: dict, full: bool = False) -> str:
     notes += _full_table(report) if full else _short_table(report)
     notes += _auto_notes(report, full)
     if has_audio_scores(report):
-        notes += ["", paper_table(report, full, [n for n in report["systems"] if "=" not in n])]
+        notes += ["", paper_table(report, full, [n for n in report["systems"] if not SystemName.parse(n).settings])]
     if "frontier" in report:
         notes += ["", "Frontier (frontier.md has every setting): " + report["frontier"]["rule"]]
         notes += [f"  {policy} ({found['knob']}): {found['chosen'] or 'none'} — {found['note']}"
@@ -292,8 +295,10 @@ def plot_speed_against_quality(ax, systems: dict) -> None:
     """The sampling systems' speed-up over autoregressive sampling against the change of the target's mean
     log-likelihood, each with its 95% interval; a lossless system sits on the zero line."""
     palette = pyplot().get_cmap("tab10")
-    policies = list(dict.fromkeys(name.split("/")[0] for name in systems))  # one colour a policy, one marker a store
-    markers = dict(zip(dict.fromkeys(name.partition("/")[2] for name in systems), "osD^v<>"))
+    names = {name: SystemName.parse(name) for name in systems}
+    policies = list(dict.fromkeys(n.policy for n in names.values()))  # one colour a policy, one marker the rest
+    rest = {name: str(n)[len(n.policy) + 1:] for name, n in names.items()}
+    markers = dict(zip(dict.fromkeys(rest.values()), "osD^v<>"))
     for name, s in systems.items():
         change = s.get("relative_change", {}).get("log_likelihood")
         if change is None:
@@ -301,8 +306,8 @@ def plot_speed_against_quality(ax, systems: dict) -> None:
         mean, (c_low, c_high) = 100 * change["mean"], [100 * c for c in change["ci95"]]
         low, high = s["speedup_ci95"]
         ax.errorbar(s["speedup"], mean, xerr=[[s["speedup"] - low], [high - s["speedup"]]],
-                    yerr=[[mean - c_low], [c_high - mean]], fmt=markers.get(name.partition("/")[2], "o"), capsize=3,
-                    color=palette(policies.index(name.split("/")[0]) % 10), label=name)
+                    yerr=[[mean - c_low], [c_high - mean]], fmt=markers.get(rest[name], "o"), capsize=3,
+                    color=palette(policies.index(names[name].policy) % 10), label=name)
     ax.axhline(0.0, color="black", linewidth=1)
     ax.axvline(1.0, color="black", linewidth=1)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)

@@ -7,26 +7,25 @@ with the same sampler); quality as the target's mean log-likelihood of what was 
 tokenizer is known, the log-mel DTW distortion against the reference utterance, each with a 95%
 bootstrap interval over utterances.
 
-    bench       load (load.py), build the systems, decode every prompt with each, report (report.py)
-    systems     the systems a bench compares, each with its baseline
+    bench       one BenchSpec (spec.py): load (load.py), build the systems, decode every prompt with each,
+                report (report.py)
+    systems     the systems a bench compares, each with its baseline, named by SystemName
     decode      every utterance with every system: the rows the report summarises
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
-from ...retriever.tree import MAX_DEPTH
 from ..audio.scorers import Setup
 from ..audio import quality_missing
 from .audio import score_audio
 from .divergence import divergence
 from .frontier import frontier, swept_settings
 from .harness import (
-    POLICIES,
     BenchError,
     ForwardCounter,
     Prompt,
@@ -38,106 +37,82 @@ from .harness import (
     measure_cost_curve,
     warm_up,
 )
-from .load import DecodeInputs, decode_inputs, native_bfloat16
+from .load import Loaded, decode_inputs, native_bfloat16
 from .machine import machine
 from .quality import dtw_distance
 from .report import auto_against_fixed, summarise, write_report
+from .spec import BenchSpec, SystemName
 
 DIVERGENCE_LOGITS = 20  # per system, the divergent utterances whose logits are compared (each replays its output)
 
 
-def bench(checkpoint, store, prompts, *, speech=None, speech_offset: int | None = None, vocab_size: int | None = None,
-          stop_ids=(), head=None, speech_embedding=None, sampler=None, token_rate: float | None = None,
-          tokenizer=None, policies=POLICIES, stores=("speaker", "general"), max_nodes: int | str | None = None,
-          max_depth: int = MAX_DEPTH, sweep_nodes=(), sweep_depths=(), sweep_policies=(),
-          limit: int | None = None, rounds: int = 1, max_new_tokens: int = 400, threads: int = 1, seed: int = 0,
-          tau: int | None = None, beta: float | None = None, similarity: float | None = None, device: str = "cpu",
-          dtype: str = "float32", out_dir=None, progress: bool = True, sweeps=None, audio_scores: bool | None = None,
-          vocoder=None, asr=None, speaker_encoder=None, mos=None, audio_dir=None, scoring_workers: int = 2) -> dict:
-    """Decode `prompts` with every system; return (and write to `out_dir`) the report as a dict.
+def bench(spec: BenchSpec) -> dict:
+    """Decode the prompts of `spec.inputs` with every system `spec` asks for; return (and write to `spec.out_dir`)
+    the report as a dict (its systems keyed by `str(SystemName)`).
 
-    `checkpoint`: an echospec TTS checkpoint folder, any Hugging Face causal LM folder, or (from Python) a
-    loaded model — with `head` and `speech_embedding` for a model with its own speech head and table, as
-    `generate` takes them (CosyVoice: `llm.llm.model`, head=llm.llm_decoder, speech_embedding=llm.speech_embedding).
-    Speech ids: `speech` (a SpeechVocab, e.g. a preset's), else `speech_offset`, `vocab_size`, `stop_ids`
-    (the build's names), else the checkpoint's or the store's. `prompts`: see `load.load_prompts`. `sampler`
-    (a Sampler or RAS, or a name in `echospec.decoder.presets.SAMPLERS`: a model's own rule; default RAS) is
-    what the sampling policies and their baseline sample with, recorded in the report's
-    setup["sampler"]; `token_rate` (speech tokens
-    a second, default the checkpoint's or 25) scales the LM real-time factor. Hugging Face `generate` is the
-    greedy baseline where it can run the model (no head, ids prompts); else echospec's own autoregressive loop.
-    Every prompt is decoded `rounds` times, each utterance with its own seed (`seed` + its index).
-    `max_nodes` is every system's node budget but the sweeps': a cap, "auto" (an AdaptiveBudget per system), or
-    None for `generate`'s own default, a fixed cap of `echospec.decoder.NODES`.
-
-    `device` and `dtype` ("float32", "bfloat16", "float16") are where and in what precision every system
-    runs; the log-likelihood is then scored by a float32 copy of the model, so every dtype is judged on one
-    scale. For each utterance where a lossless system's tokens differ from its baseline's, the report
-    gives the first divergent position and the largest logit difference there between the system's forward
-    and a plain one-token forward (`divergences`): rounding (tiny differences at a near-tie) or a bug.
-
-    Scores on audio (`audio_scores`; None: where a vocoder is at hand, `vocoder` or the `tokenizer`'s stand-in,
-    and the quality extra is installed): every utterance and each prompt's reference through `vocoder`, scored
-    for WER (`asr`), SIM (`speaker_encoder`) and MOS (`mos`) in `scoring_workers` processes after decoding
-    (echospec.tools.audio.scorers); `audio_dir` keeps the WAVs as audio_dir/<system>/<prompt id>.wav.
-    `sweeps` ({"tau": (10, 20), "beta": ..., "threshold": ...}) adds one system per setting of the policies each
-    knob sets (frontier.KNOBS) on the first store, and the frontier (frontier.json, .md, .png) to `out_dir`.
+    Hugging Face `generate` is the greedy baseline where it can run the model (no head, ids prompts); else
+    echospec's own autoregressive loop. The log-likelihood is scored by a float32 copy of the model, so every
+    dtype is judged on one scale. For each utterance where a lossless system's tokens differ from its baseline's,
+    the report gives the first divergent position and the largest logit difference there between the system's
+    forward and a plain one-token forward (`divergences`): rounding (tiny differences at a near-tie) or a bug.
+    Scores on audio: see `Scoring`; with `sweeps`, the frontier (frontier.json, .md, .png) goes to `out_dir` too.
     """
     import torch
 
     from ...decoder.budget import CAPS, NODES
 
-    max_nodes = NODES if max_nodes is None else max_nodes
-    sweeps = dict(sweeps or {})
-    sampler_name, sampler = _sampler(sampler)
-    unknown = set(sweep_policies) - set(policies)
+    unknown = set(spec.sweep_policies) - set(spec.policies)
     if unknown:
         raise BenchError(f"sweep policies {', '.join(sorted(unknown))} are not among the benchmarked policies")
-    inputs = decode_inputs(checkpoint, store, prompts, limit, threads, device, dtype, speech=speech,
-                           speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids, tau=tau, beta=beta,
-                           similarity=similarity, with_scorer=True)
-    attach = {"head": head, "speech_embedding": speech_embedding}
-    hf_baselines = (head is None and speech_embedding is None
-                    and all(p.input_ids is not None for p in inputs.prompts))
-    compared = systems(inputs, list(policies), list(stores), sweep_nodes, sweep_depths or (max_depth,),
-                       list(sweep_policies), max_nodes, max_depth, max_new_tokens, hf_baselines, sampler, attach,
-                       sweeps)
-
-    warm_up(compared, inputs.prompts[0], seed)
-    largest = max(max(CAPS) if n == "auto" else int(n) for n in [max_nodes, *sweep_nodes])
-    curve, curve_context = verify_cost_curve(inputs.model, inputs.speech, inputs.prompts, largest, **attach)
-    rows, budgets = decode(compared, inputs, curve, rounds=rounds, seed=seed, tokenizer=tokenizer, attach=attach,
-                           progress=progress)
-    meta = inputs.meta
-    rate = meta.frame_rate if meta is not None and token_rate is None else (token_rate or 25.0)
+    spec = replace(spec, max_nodes=NODES if spec.max_nodes is None else spec.max_nodes,
+                   sweep_depths=spec.sweep_depths or (spec.max_depth,))
+    sampler_name, sampler = _sampler(spec.sampler)
+    inputs, scoring = spec.inputs, spec.scoring
+    loaded = decode_inputs(inputs, with_scorer=True)
+    compared = systems(loaded, spec, sampler)
+    warm_up(compared, loaded.prompts[0], spec.seed)
+    largest = max(max(CAPS) if n == "auto" else int(n) for n in [spec.max_nodes, *spec.sweep_nodes])
+    curve, curve_context = verify_cost_curve(loaded.model, loaded.speech, loaded.prompts, largest, **inputs.attach)
+    rows, budgets = decode(compared, loaded, curve, rounds=spec.rounds, seed=spec.seed, tokenizer=scoring.tokenizer,
+                           attach=inputs.attach, progress=spec.progress)
+    meta = loaded.meta
+    rate = meta.frame_rate if meta is not None and inputs.token_rate is None else (inputs.token_rate or 25.0)
     report = summarise(compared, rows, token_rate=rate)
-    report["machine"] = machine(threads=threads, device=device, dtype=dtype,
+    report["machine"] = machine(threads=inputs.threads, device=inputs.device, dtype=inputs.dtype,
                                 cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                                native_bfloat16=native_bfloat16(device))
+                                native_bfloat16=native_bfloat16(inputs.device))
     report["verify_cost_curve"] = curve.to_dict() | {"context_tokens": curve_context}
-    report["auto_budgets"] = {name: state for name, state in budgets.items() if state}  # each cap's rate, at the end
+    # each "auto" cap's rate, at the end
+    report["auto_budgets"] = {str(name): state for name, state in budgets.items() if state}
     report["auto_against_fixed"] = auto_against_fixed(rows)
-    speech = inputs.speech
-    report["setup"] = {"checkpoint": (str(checkpoint) if isinstance(checkpoint, (str, Path))
-                                      else type(inputs.model).__name__),
-                       "store": str(store), "prompts": str(prompts) if isinstance(prompts, (str, Path)) else "python",
-                       "utterances": rounds * len(inputs.prompts), "rounds": rounds, "max_nodes": max_nodes,
-                       "max_depth": max_depth, "seed": seed,
-                       "device": device, "dtype": dtype,
-                       "speech": {"offset": speech.offset, "size": speech.size, "stop_ids": list(speech.stop_ids),
-                                  "codebooks": speech.codebooks},
-                       "relaxed": asdict(inputs.relaxed),
-                       "sampler": {"preset": sampler_name, "rule": repr(sampler)}, "sweeps": sweeps}
-    if audio_scores is None:
-        audio_scores = (vocoder is not None or tokenizer is not None) and quality_missing() is None
-    if audio_scores or audio_dir is not None:
-        setup = Setup(vocoder, None if tokenizer is None else str(tokenizer), asr, speaker_encoder, mos)
-        score_audio(report, inputs.prompts, speech, setup, out_dir, audio_dir, scoring_workers, progress)
-    if sweeps:
+    report["setup"] = setup(spec, loaded, sampler_name, sampler)
+    audio = scoring.audio
+    if audio is None:
+        audio = (scoring.vocoder is not None or scoring.tokenizer is not None) and quality_missing() is None
+    if audio or scoring.audio_dir is not None:
+        chosen = Setup(scoring.vocoder, None if scoring.tokenizer is None else str(scoring.tokenizer), scoring.asr,
+                       scoring.speaker_encoder, scoring.mos)
+        score_audio(report, loaded.prompts, loaded.speech, chosen, spec.out_dir, scoring.audio_dir, scoring.workers,
+                    spec.progress)
+    if spec.sweeps:
         report["frontier"] = frontier(report)
-    if out_dir is not None:
-        write_report(report, Path(out_dir))
+    if spec.out_dir is not None:
+        write_report(report, Path(spec.out_dir))
     return report
+
+
+def setup(spec: BenchSpec, loaded: Loaded, sampler_name: str | None, sampler) -> dict:
+    """What ran, as the report's setup records it."""
+    inputs, speech = spec.inputs, loaded.speech
+    checkpoint, prompts = inputs.checkpoint, inputs.prompts
+    return {"checkpoint": (str(checkpoint) if isinstance(checkpoint, (str, Path)) else type(loaded.model).__name__),
+            "store": str(inputs.store), "prompts": str(prompts) if isinstance(prompts, (str, Path)) else "python",
+            "utterances": spec.rounds * len(loaded.prompts), "rounds": spec.rounds, "max_nodes": spec.max_nodes,
+            "max_depth": spec.max_depth, "seed": spec.seed, "device": inputs.device, "dtype": inputs.dtype,
+            "speech": {"offset": speech.offset, "size": speech.size, "stop_ids": list(speech.stop_ids),
+                       "codebooks": speech.codebooks},
+            "relaxed": asdict(spec.relaxed), "sampler": {"preset": sampler_name, "rule": repr(sampler)},
+            "sweeps": dict(spec.sweeps)}
 
 
 def _sampler(sampler) -> tuple[str | None, object]:
@@ -149,51 +124,50 @@ def _sampler(sampler) -> tuple[str | None, object]:
     return None, sampler or RAS()
 
 
-def systems(inputs: DecodeInputs, policies: list[str], stores: list[str], sweep_nodes, sweep_depths,
-            sweep_policies: list[str], max_nodes, max_depth: int, max_new_tokens: int, hf_baselines: bool, sampler,
-            attach: dict, sweeps: dict) -> list[System]:
+AUTOREGRESSIVE, AR_SAMPLING = SystemName("autoregressive"), SystemName("ar-sampling")
+
+
+def systems(loaded: Loaded, spec: BenchSpec, sampler) -> list[System]:
     """The baselines, each policy on each store, and the sweeps (on the first store), each with its baseline:
     greedy systems against HF `generate` (or echospec's own loop where `generate` cannot run the model),
     sampling systems against autoregressive sampling with the same sampler."""
-    model, retriever, speech, relaxed = inputs.model, inputs.retriever, inputs.speech, inputs.relaxed
+    model, retriever, speech, relaxed = loaded.model, loaded.retriever, loaded.speech, spec.relaxed
+    attach = spec.inputs.attach
     counter = ForwardCounter(model)
     stop_ids = list(speech.stop_ids)
+    first = spec.stores[0]
 
     def hf(**extra):
-        return hf_generate_run(model, counter, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+        return hf_generate_run(model, counter, max_new_tokens=spec.max_new_tokens, eos_token_id=stop_ids,
                                pad_token_id=stop_ids[0], **extra)
 
-    def echospec(policy, store, nodes, depth, settings=relaxed):
+    def echospec(policy, store, nodes=spec.max_nodes, depth=spec.max_depth, settings=relaxed):
         return echospec_run(model, retriever if store else None,
                             lambda seed: make_policy(policy, seed, settings, sampler), speech,
                             speaker=store == "speaker", record_logits=bool(store) and policy.startswith("exact"),
-                            max_new_tokens=max_new_tokens, max_nodes=nodes, max_depth=depth, **attach)
+                            max_new_tokens=spec.max_new_tokens, max_nodes=nodes, max_depth=depth, **attach)
 
+    def judged(name: SystemName, run) -> System:
+        """A policy's system: against autoregressive (greedy) or ar-sampling, and lossless for the exact ones."""
+        baseline = AUTOREGRESSIVE if name.policy == "exact-greedy" else AR_SAMPLING
+        return System(name, run, baseline, baseline if name.policy.startswith("exact") else None)
+
+    hf_baselines = all(v is None for v in attach.values()) and all(p.input_ids is not None for p in loaded.prompts)
     if hf_baselines:
-        out = [
-            System("autoregressive", hf()),
-            System("hf-prompt-lookup", hf(prompt_lookup_num_tokens=10), "autoregressive", "autoregressive"),
-        ]
+        out = [System(AUTOREGRESSIVE, hf()),
+               System(SystemName("hf-prompt-lookup"), hf(prompt_lookup_num_tokens=10), AUTOREGRESSIVE, AUTOREGRESSIVE)]
     else:  # a model with its own head, or embeddings prompts: Hugging Face generate cannot run it
-        out = [System("autoregressive", echospec("exact-greedy", None, 0, 1))]
-    if sweeps or any(p != "exact-greedy" for p in policies):
-        out.append(System("ar-sampling", echospec("exact-sampling", None, 0, 1)))
-    for policy in policies:
-        baseline = "autoregressive" if policy == "exact-greedy" else "ar-sampling"
-        lossless = baseline if policy.startswith("exact") else None
-        for store in stores:
-            out.append(System(f"{policy}/{store}", echospec(policy, store, max_nodes, max_depth), baseline, lossless))
-    for policy, knob, value, settings in swept_settings(sweeps, relaxed):
-        out.append(System(f"{policy}/{stores[0]}/{knob}={value}",
-                          echospec(policy, stores[0], max_nodes, max_depth, settings), "ar-sampling"))
-    for policy in sweep_policies or ["exact-sampling" if "exact-sampling" in policies else policies[0]]:
-        baseline = "autoregressive" if policy == "exact-greedy" else "ar-sampling"
-        lossless = baseline if policy.startswith("exact") else None
-        for nodes in sweep_nodes:
-            for depth in sweep_depths:
-                if (nodes, depth) != (max_nodes, max_depth):
-                    name = f"{policy}/{stores[0]}/n{nodes}d{depth}"
-                    out.append(System(name, echospec(policy, stores[0], nodes, depth), baseline, lossless))
+        out = [System(AUTOREGRESSIVE, echospec("exact-greedy", None, 0, 1))]
+    if spec.sweeps or any(p != "exact-greedy" for p in spec.policies):
+        out.append(System(AR_SAMPLING, echospec("exact-sampling", None, 0, 1)))
+    out += [judged(SystemName(policy, store), echospec(policy, store)) for policy in spec.policies
+            for store in spec.stores]
+    out += [System(SystemName(policy, first, ((knob, value),)), echospec(policy, first, settings=settings),
+                   AR_SAMPLING) for policy, knob, value, settings in swept_settings(spec.sweeps, relaxed)]
+    default_sweep = ["exact-sampling" if "exact-sampling" in spec.policies else spec.policies[0]]
+    out += [judged(SystemName(policy, first, budget=(nodes, depth)), echospec(policy, first, nodes, depth))
+            for policy in spec.sweep_policies or default_sweep for nodes in spec.sweep_nodes
+            for depth in spec.sweep_depths if (nodes, depth) != (spec.max_nodes, spec.max_depth)]
     return out
 
 
@@ -216,7 +190,7 @@ def verify_cost_curve(model, speech, prompts: list[Prompt], largest: int, contex
     return measure_cost_curve(model, speech, ids, sizes, repeats=20, **attach), len(ids)
 
 
-def decode(systems: list[System], inputs: DecodeInputs, curve, *, rounds: int, seed: int, tokenizer, attach: dict,
+def decode(systems: list[System], inputs: Loaded, curve, *, rounds: int, seed: int, tokenizer, attach: dict,
            progress: bool) -> tuple[dict, dict]:
     """Every prompt `rounds` times with every system, in a balanced order, each utterance with seed `seed` + its
     index. Returns (rows: per system, one dict per utterance; budgets: per "auto" system, its last budget state).

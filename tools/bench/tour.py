@@ -12,6 +12,7 @@ from ..corpus.tts_prompt import TTSMeta
 from .load import load_prompts, native_bfloat16
 from .report import format_table
 from .run import bench
+from .spec import BenchSpec, Inputs, Scoring
 
 DEMO_SWEEPS = {"tau": (40,), "beta": (0.2,), "threshold": (0.3,)}
 """One stricter setting of each relaxed knob beside its class default: the demo's frontier.png shows what each
@@ -51,9 +52,9 @@ def demo(out_dir="runs/demo", limit: int = 10, threads: int = 1, dtype: str = "f
              "listen.html and the paper's table.")
         audio = False
     audio_dir = out_dir / "audio" if audio else None
-    report = bench(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS, tokenizer=SAMPLE_TOKENIZER, limit=limit,
-                   threads=threads, dtype=dtype, out_dir=out_dir, progress=progress, audio_scores=audio,
-                   audio_dir=audio_dir, sweeps=DEMO_SWEEPS)
+    inputs = Inputs(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS, limit, threads=threads, dtype=dtype)
+    report = bench(BenchSpec(inputs, sweeps=DEMO_SWEEPS, out_dir=out_dir, progress=progress,
+                             scoring=Scoring(SAMPLE_TOKENIZER, audio=audio, audio_dir=audio_dir)))
     echo(format_table(report, full=full))
     echo(f"\nWrote {out_dir / 'bench.json'}, the full table {out_dir / 'bench.md'}, the plot {out_dir / 'bench.png'} "
          f"and the speed-quality frontier {out_dir / 'frontier.png'}")

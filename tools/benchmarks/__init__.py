@@ -1,10 +1,11 @@
 """Developer benchmarks: each runs the baseline and echospec side by side in one process, on the shared
-harness (tools/bench/harness.py). They are not in the wheel: run them from a checkout (installed with
+harness (tools/bench/harness.py; what it promises: docs/benchmarking.md); the pieces they share but are not
+benchmarks themselves live in `support/`
+(baseline revisions, proposers, REST's reference, servers, vLLM engines and quality measures; its __init__
+indexes them). They are not in the wheel: run them from a checkout (installed with
 `pip install -e`) as `python -m echospec.tools.benchmarks.NAME --help`.
 
     auto_replay         the adaptive node budget replayed on recorded decode steps against every fixed cap
-    baselines           bench_shards' builds and sorts side by side with a baseline revision's
-    bench_decoder       the decoder against Hugging Face generate on a small Llama
     bench_ingest        reading a corpus: the batch readers against the per-utterance readers of a baseline
     bench_pages         proposals from a cold page cache: pages read and mapped, what a miss costs
     bench_retriever     the retriever against SuffixDecoding and REST on one corpus
@@ -15,13 +16,8 @@ harness (tools/bench/harness.py). They are not in the wheel: run them from a che
     gpu_check           one command for a GPU: curves of the sample and a 0.5B shape, the sample's bench there
     grouped_heads       tree decoding with grouped KV heads handed to SDPA uncopied against transformers' copy
     killed_ray_build    how long a Ray build's processes outlive its killed driver (not a speed benchmark)
-    proposers           the proposers bench_retriever compares (echospec, REST, SuffixDecoding), each timed alone
-    rest_reference      REST's retrieval algorithm written plainly: bench_retriever's reference peer
     retriever_defaults  how the retriever's defaults were chosen (oracle acceptance; not a speed benchmark)
     search_pages        the stream pages a proposal's binary searches and continuations touch, replayed
-    service_servers     the servers bench_service measures: `echospec serve`, and the HTTP stack alone (the floor)
-    vllm_engines        vLLM engines in worker processes, for vllm_side_by_side
-    vllm_quality        vllm_side_by_side's quality measures: log-likelihood, log-mel DTW, SIM, WER, MOS on audio
     vllm_side_by_side   echospec as vLLM's drafter beside vLLM's own drafters
 
 Every results file records its machine with tools/bench/machine.py's `machine()`. The scripts that replay a

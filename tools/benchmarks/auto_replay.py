@@ -63,15 +63,17 @@ def record(checkpoint, store, prompts, *, policy: str, stores: str = "speaker", 
     from tqdm import tqdm
 
     from ...decoder import SpeculativeSession
+    from ..bench.harness import RelaxedSettings, make_policy
     from ..bench.load import decode_inputs
-    from ..bench.harness import make_policy
+    from ..bench.spec import Inputs
 
     if stores not in ("speaker", "general"):
         raise BenchError(f"--stores must be speaker or general, got {stores!r}")
     if policy not in POLICIES:
         raise BenchError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    model, _, _, retriever, speech, prompts, relaxed = decode_inputs(checkpoint, store, prompts, limit, threads,
-                                                                     device, dtype)
+    model, _, _, retriever, speech, prompts = decode_inputs(Inputs(checkpoint, store, prompts, limit, threads=threads,
+                                                                   device=device, dtype=dtype))
+    relaxed = RelaxedSettings()  # each policy class's own knobs
 
     def decode(prompt, index: int, cap: int) -> dict:
         log = StepLog(cap)

@@ -11,11 +11,8 @@ local ids, as a build's partition task reads them), the baseline and the candida
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,27 +23,9 @@ from ...datastore import corpus as candidate
 from ...datastore.files import atomic_file
 from ..bench.machine import machine
 from ..corpus.resample_corpus import resample, write_npz
+from .support.baselines import REPO, baseline_module
 
-REPO = Path(__file__).resolve().parents[2]
 VOCAB = candidate.Vocabulary(speech_offset=0, size=4096)
-
-
-def baseline_module(revision: str, repo: Path = REPO, path: str = "datastore/corpus.py"):
-    """A module of the datastore (`path`) as it was at `revision`, imported beside today's (same package,
-    other name) from a file of its own, so numba can cache its kernels."""
-    source = subprocess.run(["git", "-C", str(repo), "show", f"{revision}:{path}"], check=True,
-                            capture_output=True, text=True).stdout
-    name = f"_{Path(path).stem}_{revision}"
-    file = Path(tempfile.gettempdir()) / "echospec-baselines" / f"{name}.py"
-    file.parent.mkdir(exist_ok=True)
-    if not file.exists() or file.read_text() != source:
-        file.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"echospec.datastore.{name}", file)
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = "echospec.datastore"
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def write_formats(n_tokens: int, out: Path, seed: int) -> dict[str, list[str]]:

@@ -20,7 +20,7 @@ Peers:
   min token prob) with the best oracle acceptance on separate tuning utterances among those whose p50 stays
   within 30 µs, the budget the issue sets for echospec. Unlike vLLM's default of 10,000 cached
   requests, the cache holds the whole training corpus (max_cached_requests=-1), as echospec's store does.
-- REST: tools/benchmarks/rest_reference.py (longest exact suffix match 16..2, continuations ranked by count,
+- REST: tools/benchmarks/support/rest_reference.py (longest exact suffix match 16..2, continuations ranked by count,
   64 nodes).
 
     python -m echospec.tools.benchmarks.bench_retriever --tokens 10000000 --out bench/retriever
@@ -47,8 +47,8 @@ from ..bench.harness import pin_threads, pyplot, save_figure
 from ..bench.machine import installed_version, machine
 from ..commands import out_option
 from ..corpus.synth_corpus import SynthConfig, generate, write_jsonl
-from .proposers import EchospecProposer, Proposer, RestProposer, SuffixProposer, feed_suffix_cache
-from .rest_reference import RestReference
+from .support.proposers import Proposer, RetrieverProposer, RestProposer, SuffixProposer, feed_suffix_cache
+from .support.rest_reference import RestReference
 
 THREADS = 1  # every process of the run, the build children included
 
@@ -427,13 +427,13 @@ def main(corpus, n_tokens, out_dir, n_held, calls, rounds, warmup, n_tune, faiss
     held_speakers = [s if s in retriever.speakers else None for s in split.held_speakers]
     systems: list[Proposer] = []
     for nodes in (16, 32, 64):
-        systems.append(EchospecProposer(f"echospec general n{nodes}", retriever, split.held, None, nodes, es_build))
+        systems.append(RetrieverProposer(f"echospec general n{nodes}", retriever, split.held, None, nodes, es_build))
     for nodes in (16, 32, 64):
-        systems.append(EchospecProposer(f"echospec speaker n{nodes}", retriever, split.held, held_speakers, nodes,
-                                      es_build))
+        systems.append(RetrieverProposer(f"echospec speaker n{nodes}", retriever, split.held, held_speakers, nodes,
+                                        es_build))
     if faiss:
         with_faiss = Retriever(faiss_store, use_faiss=True)
-        systems.append(EchospecProposer("echospec general+FAISS n16", with_faiss, split.held, None, 16, faiss_build))
+        systems.append(RetrieverProposer("echospec general+FAISS n16", with_faiss, split.held, None, 16, faiss_build))
 
     t = time.perf_counter()
     before = rss_mb()

@@ -52,7 +52,7 @@ from ...datastore.files import atomic_file
 from ..bench.harness import balanced_order, pin_threads
 from ..bench.machine import machine
 from ..commands import out_option
-from .service_servers import free_port, start_floor, start_service
+from .support.service_servers import free_port, start_floor, start_service
 
 THREADS = 1  # per process: the clients, the service and this one
 MODES = ("inproc", "binary", "json", "httpx", "floor")

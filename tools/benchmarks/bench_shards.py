@@ -45,7 +45,7 @@ from ..bench.harness import pin_threads
 from ..bench.machine import machine
 from ..corpus.resample_corpus import Resampled, resample, write_npz
 from ..corpus.synth_corpus import SynthConfig, generate
-from .baselines import build_side_by_side, sort_side_by_side
+from .support.baselines import build_side_by_side, sort_side_by_side
 
 THREADS = 1  # per process: the build's parallelism is its worker processes, pinned through the environment
 BATCH = 50

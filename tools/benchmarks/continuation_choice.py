@@ -7,7 +7,7 @@ searches make the rest, docs/scaling.md). Continuations stored beside the sample
 give occurrences spread evenly
 over the matched range instead; a mix reads `near` occurrences around the longer suffix from the stream and the rest
 from the spread. This measures each mix by oracle tokens per step on held-out utterances (the general store only: no
-prompt rows, one shard), with the gather replayed in Python from the kernels' own parts, so `--near` at the cap (32)
+prompt rows, one shard), with the gather replayed in Python from the proposal's own steps (retriever/replay.py), so `--near` at the cap (32)
 must equal what `Retriever.propose` gives with the prompt lookup off.
 
     python -m echospec.tools.benchmarks.continuation_choice --store bench/b200/store-phased-1 --held bench/b200/held.npz
@@ -23,29 +23,20 @@ from ...retriever import Retriever, replay
 from ...retriever.tree import CandidateTree
 from .bench_shards import oracle
 
-def propose(r: Retriever, ctx: np.ndarray, near: int) -> CandidateTree | None:
+def propose(general: replay.GeneralStore, ctx: np.ndarray, near: int) -> CandidateTree | None:
     """The general store's tree for `ctx`, its `cap` rows the `near` occurrences around the longer suffix (as
     gather_store takes all of them) and the rest spread evenly over the matched range."""
-    store, s = replay.general_store(r), replay.settings(r)
-    los, his, counts, d = replay.match(store, ctx, s[replay.SETTING_N_MIN], s[replay.SETTING_N_MAX],
-                                       s[replay.SETTING_MIN_SUPPORT])
-    if d < s[replay.SETTING_N_MIN]:
+    match = general.match(ctx)
+    d = match.length
+    if d < general.n_min:
         return None
-    lo, hi, count = los[0, d], his[0, d], counts[d]
-    m = min(count, s[replay.SETTING_CAP])
+    lo, hi, count = match.los[0, d], match.his[0, d], match.occurrences
+    m = min(count, general.cap)
     k = min(near, m)
-    start = min(max(lo, ((los[0, d + 1] + his[0, d + 1]) >> 1) - k // 2), hi - k)
+    start = min(max(lo, ((match.los[0, d + 1] + match.his[0, d + 1]) >> 1) - k // 2), hi - k)
     spread = lo + ((np.arange(m - k) + 0.5) * count / max(m - k, 1)).astype(np.int64)
     entries = np.concatenate([np.arange(start, start + k), spread])
-    stream, sa = replay.shard_tokens(store, 0), replay.shard_sa(store, 0)
-    conts = np.full((m, r.max_depth), -1, np.int64)
-    for row, entry in enumerate(entries):
-        replay.copy_continuation(stream, sa[entry] + 1, s[replay.SETTING_VOCAB_SIZE], conts, row)
-    replay.sort_rows(conts, 0, m)
-    stats = np.zeros((replay.N_SOURCES, 4), np.int64)
-    replay.record(stats, replay.GENERAL, 0, m, d, count)
-    stats[replay.FAISS, replay.FIRST_ROW] = m
-    return CandidateTree.trusted(replay.finish(conts, stats, r.weights, r.max_nodes))
+    return general.tree(general.continuations(entries), match)
 
 
 class Chosen:
@@ -53,10 +44,10 @@ class Chosen:
     bench_shards.oracle)."""
 
     def __init__(self, r: Retriever, near: int):
-        self.r, self.near = r, near
+        self.general, self.near = replay.GeneralStore(r), near
 
     def propose(self, context) -> CandidateTree:
-        return propose(self.r, np.asarray(context, np.int64), self.near) or CandidateTree.empty()
+        return propose(self.general, np.asarray(context, np.int64), self.near) or CandidateTree.empty()
 
 
 def held_out(path) -> list[np.ndarray]:

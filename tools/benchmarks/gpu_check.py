@@ -33,7 +33,7 @@ def gpu_check(device: str = "cuda", dtype: str = "bfloat16", out_dir="runs/gpu-c
     import torch
 
     from ...datastore import build
-    from ..bench import bench, format_table
+    from ..bench import BenchSpec, Inputs, Scoring, bench, format_table
     from ..corpus import SAMPLE_CORPUS, SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER
     from .cost_curves import cost_curve, shape_model
 
@@ -58,11 +58,11 @@ def gpu_check(device: str = "cuda", dtype: str = "bfloat16", out_dir="runs/gpu-c
     mel = importlib.util.find_spec("faiss") is not None  # the tokenizer's nearest-centroid search needs it
     if not mel:
         echo("faiss is not installed: no log-mel distortion in the bench")
-    result = bench(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS, tokenizer=SAMPLE_TOKENIZER if mel else None,
-                   policies=POLICIES, stores=("speaker",), max_nodes="auto",
-                   sweep_nodes=(16, 64), sweep_policies=("exact-greedy", "exact-sampling"),
-                   limit=2 if tiny else limit, max_new_tokens=40 if tiny else max_new_tokens, device=device,
-                   dtype=dtype, out_dir=out / "bench", progress=False)
+    inputs = Inputs(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS, 2 if tiny else limit, device=device, dtype=dtype)
+    result = bench(BenchSpec(inputs, policies=POLICIES, stores=("speaker",), max_nodes="auto", sweep_nodes=(16, 64),
+                             sweep_policies=("exact-greedy", "exact-sampling"),
+                             max_new_tokens=40 if tiny else max_new_tokens, out_dir=out / "bench", progress=False,
+                             scoring=Scoring(SAMPLE_TOKENIZER if mel else None)))
     echo(format_table(result))
     keep = ("tokens_per_forward", "speedup", "forward_cost_speedup", "time_per_token_ms", "identical_to_baseline",
             "divergences")

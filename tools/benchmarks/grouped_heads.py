@@ -22,8 +22,8 @@ import numpy as np
 
 from ...datastore.files import atomic_file
 from ...decoder.gqa import SWITCH
-from ..bench.harness import (POLICIES, System, balanced_order, copying_grouped_heads, echospec_run,
-                             make_policy, warm_up)
+from ..bench.harness import (POLICIES, RelaxedSettings, System, balanced_order, copying_grouped_heads,
+                             echospec_run, make_policy, warm_up)
 from ..bench.quality import median_ratio_ci, ratio_of_medians_ci
 from ..commands import OldSpellings, limit_option, out_option, threads_option
 from ..corpus import SAMPLE_MODEL_DIR, SAMPLE_PROMPTS
@@ -44,14 +44,15 @@ def compare(store, nodes: int = 8, policy: str = "exact-sampling", limit: int | 
     import torch
 
     from ..bench.load import decode_inputs
+    from ..bench.spec import Inputs
 
     if SWITCH in os.environ:
         raise click.UsageError(f"unset {SWITCH}: this benchmark sets it per system")
-    model, _, _, retriever, speech, prompts, relaxed = decode_inputs(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS,
-                                                                     limit, threads)
+    model, _, _, retriever, speech, prompts = decode_inputs(Inputs(SAMPLE_MODEL_DIR, store, SAMPLE_PROMPTS, limit,
+                                                                   threads=threads))
 
     def chosen(seed_):
-        return make_policy(policy, seed_, relaxed)
+        return make_policy(policy, seed_, RelaxedSettings())
 
     tree = echospec_run(model, retriever, chosen, speech, max_nodes=nodes, max_new_tokens=400)
     systems = [System("autoregressive", echospec_run(model, None, chosen, speech, max_new_tokens=400)),

@@ -3,7 +3,7 @@ in-memory table of the frequent n-grams.
 
 A proposal from a cold cache misses pages of the stream in two places: its binary searches (kernels.narrow: each
 probe reads the token `depth` places left of a suffix-array entry's position, somewhere in the stream) and its
-continuations (the rows gather_store takes). This replays the general store's search from the kernels' own parts,
+continuations (the rows gather_store takes). This replays the general store's search from the proposal's own steps,
 checking every range it finds against kernels.match, and counts the distinct stream pages a proposal touches:
 
   today      the sampled index, then a lower- and an upper-bound binary search per depth (what narrow does)
@@ -53,9 +53,9 @@ def heavy_ranges(tokens: np.ndarray, sa: np.ndarray, n_max: int, threshold: int)
 class Shard:
     """One shard's stream and suffix array, and narrow's search over them, recording the stream pages it probes."""
 
-    def __init__(self, store, s: int):
-        self.tokens, self.sa = replay.shard_tokens(store, s), replay.shard_sa(store, s)
-        self.store, self.s = store, s
+    def __init__(self, general: replay.GeneralStore, s: int):
+        self.tokens, self.sa = general.stream(s), general.suffix_array(s)
+        self.general, self.s = general, s
         self.per_page = PAGE // self.tokens.itemsize
 
     def key(self, m: int, depth: int, pages: set) -> int:
@@ -65,7 +65,7 @@ class Shard:
 
     def bounds(self, lo: int, hi: int, depth: int, c: int, pages: set, together: bool) -> tuple[int, int]:
         """narrow's range of the entries in [lo, hi) whose token `depth` places left is c."""
-        a, b = replay.index_range(self.store, self.s, lo, hi, depth, c, False)
+        a, b = self.general.narrowed(self.s, lo, hi, depth, c, False)
         upper_lo, upper_hi = lo, hi  # where the lower bound's probes put the upper bound
         while a < b:
             m = (a + b) >> 1
@@ -81,7 +81,7 @@ class Shard:
         low = a
         if not together:
             upper_lo, upper_hi = low, hi
-        a, b = replay.index_range(self.store, self.s, max(upper_lo, low), upper_hi, depth, c, True)
+        a, b = self.general.narrowed(self.s, max(upper_lo, low), upper_hi, depth, c, True)
         while a < b:
             m = (a + b) >> 1
             if self.key(m, depth, pages) <= c:
@@ -105,19 +105,19 @@ def searched_depths(counts: np.ndarray, limit: int, n_min: int, min_support: int
 
 def measure(r: Retriever, ctxs: list[np.ndarray], thresholds: tuple[int, ...]) -> dict:
     """Mean distinct stream pages a proposal's search touches (per variant) and its continuations touch."""
-    store, settings = replay.general_store(r), replay.settings(r)
-    n_min, n_max = int(settings[replay.SETTING_N_MIN]), int(settings[replay.SETTING_N_MAX])
-    min_support, cap = int(settings[replay.SETTING_MIN_SUPPORT]), int(settings[replay.SETTING_CAP])
-    shards = [Shard(store, s) for s in range(store[0].shape[0])]
+    general = replay.GeneralStore(r)
+    n_max = general.n_max
+    shards = [Shard(general, s) for s in range(general.shards)]
     heavy = {t: [heavy_ranges(sh.tokens, sh.sa, n_max, t) for sh in shards] for t in thresholds}
     variants = ["today", "together", *(f"heavy {t}" for t in thresholds)]
     searched, both = dict.fromkeys(variants, 0), dict.fromkeys(variants, 0)
     continued = 0
     for ctx in ctxs:
-        los, his, counts, d = replay.match(store, ctx, n_min, n_max, min_support)
-        depths = searched_depths(counts, min(n_max, len(ctx)), n_min, min_support)
+        match = general.match(ctx)
+        los, his, d = match.los, match.his, match.length
+        depths = searched_depths(match.counts, min(n_max, len(ctx)), general.n_min, general.min_support)
         read: set = set()  # the continuations' pages
-        takes = replay.proportional_shares(los[:, d], his[:, d], min(int(counts[d]), cap) if d >= n_min else 0)
+        takes = general.shares(match)
         for sh, take in zip(shards, takes):
             centre = (los[sh.s, d + 1] + his[sh.s, d + 1]) >> 1
             start = min(max(los[sh.s, d], centre - take // 2), his[sh.s, d] - take)
@@ -128,7 +128,7 @@ def measure(r: Retriever, ctxs: list[np.ndarray], thresholds: tuple[int, ...]) -
             pages: set = set()
             for sh in shards:
                 table = heavy[int(variant.split()[1])][sh.s] if variant.startswith("heavy") else None
-                for t in ([] if len(replay.shard_first(store, sh.s)) else [0]) + depths:
+                for t in ([] if general.has_first_table(sh.s) else [0]) + depths:
                     found = (int(los[sh.s, t + 1]), int(his[sh.s, t + 1]))
                     if table is not None and t + 1 < len(table) and found in table[t + 1]:
                         continue

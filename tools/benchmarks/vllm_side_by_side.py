@@ -17,7 +17,7 @@ OUT/audio).
     python -m echospec.tools.benchmarks.vllm_side_by_side --modes sampling --ks 8 --batches 1,8 \
         --systems none,echospec-tolerance/beta=0.05,echospec-tolerance/beta=0.1,echospec-filtered/tau=20
 
-Every system's engine starts once per k (a worker process each, see vllm_engines) and the systems then
+Every system's engine starts once per k (a worker process each, see support/vllm_engines) and the systems then
 take turns, round after round, in an order rotated each round. All systems of a cell get the same prompts,
 and no (speaker, text) prompt is met twice in a run (see prompt_pool): SuffixDecoding caches every output it
 served, and would otherwise replay its own earlier answer to a repeated prompt. Reported per cell:
@@ -46,8 +46,8 @@ import click
 import numpy as np
 
 from ..corpus import SAMPLE_DIR, SAMPLE_MODEL_DIR  # paths only: numba must not load before vLLM (vllm_engines)
-from .vllm_engines import Engine, tokens_per_step
-from .vllm_quality import quality_change, score_on_audio, score_tokens
+from .support.vllm_engines import Engine, tokens_per_step
+from .support.vllm_quality import quality_change, score_on_audio, score_tokens
 
 SYSTEMS = ("none", "ngram", "suffix", "echospec-general", "echospec-speaker", "echospec-service",
            "echospec-filtered", "echospec-tolerance", "echospec-similarity", "echospec-pcg")
@@ -392,11 +392,11 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
     if audio and missing:
         raise click.UsageError(f"--audio needs the quality extra ({missing} is missing): pip install -e '.[quality]'")
     audio = audio is not False and missing is None
-    unknown = [s for s in systems if s not in SYSTEMS and relaxed_policy(s) is None]
-    if unknown:
-        raise click.UsageError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)} "
-                               "(a relaxed one may set a knob: echospec-filtered/tau=40)")
     try:
+        unknown = [s for s in systems if s not in SYSTEMS and relaxed_policy(s) is None]
+        if unknown:
+            raise click.UsageError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)} "
+                                   "(a relaxed one may set a knob: echospec-filtered/tau=40)")
         rules = relaxed_rules(RelaxedSettings(tau=tau, beta=beta, similarity=similarity), systems)
     except ValueError as e:
         raise click.UsageError(f"--systems: {e}") from None
@@ -460,7 +460,9 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
 
 def relaxed_policy(system: str) -> str | None:
     """The relaxed rule a system asks for ("echospec-filtered", "echospec-filtered/tau=40"), or None."""
-    return RELAXED.get(system.partition("/")[0])
+    from ..bench.spec import SystemName  # on first use: numba must not load before vLLM
+
+    return RELAXED.get(SystemName.parse(system).policy)
 
 
 def relaxed_rules(settings, systems=RELAXED) -> dict[str, dict]:
@@ -470,18 +472,14 @@ def relaxed_rules(settings, systems=RELAXED) -> dict[str, dict]:
     so the report says what ran. ValueError names a knob the policy does not have."""
     from echospec.decoder.vllm_acceptance import read_rule
 
+    from ..bench.spec import SystemName
+
     rules = {}
     for system in systems:
         policy = relaxed_policy(system)
         if policy is None:
             continue
-        knobs = settings.knobs(policy)
-        if "/" in system:
-            key, _, value = system.partition("/")[2].partition("=")
-            try:
-                knobs[key] = int(value) if value.isdigit() else float(value)
-            except ValueError:
-                raise ValueError(f"{system}: a knob is key=number, got {system.partition('/')[2]!r}") from None
+        knobs = settings.knobs(policy) | dict(SystemName.parse(system).settings)
         rule = read_rule({"echospec": {"policy": policy, **knobs}})
         rules[system] = {"policy": rule.policy, **rule.options}
     return rules

@@ -6,8 +6,8 @@ import click
 
 from ...retriever.tree import MAX_DEPTH
 from ..bench.harness import POLICIES
-from ..commands import (OldSpellings, audio_options, audio_settings, device_option, dtype_option, fail_cleanly,
-                        limit_option, needs_extra, out_option, threads_option)
+from ..commands import (OldSpellings, audio_options, device_option, dtype_option, fail_cleanly, limit_option,
+                        needs_extra, out_option, scoring, threads_option)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -79,7 +79,7 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
                   vocoder, asr, speaker_encoder, mos, scoring_workers, out_dir, full):
     """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT: an echospec TTS
     checkpoint or any Hugging Face causal LM folder (a model with its own speech head: the Python API,
-    echospec.tools.bench.bench(..., head=...)).
+    echospec.tools.bench.bench(BenchSpec(Inputs(..., head=...)))).
 
     \b
     echospec bench tools/sample/model --store runs/demo/store --prompts tools/sample/prompts.jsonl \\
@@ -87,29 +87,30 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
     echospec bench ./Llasa-1B --store llasa --prompts prompts.jsonl \\
         --speech-offset 128264 --vocab-size 65536 --stop-id 128261
     """
-    from ..bench import bench, format_table
+    from ..bench import BenchSpec, Inputs, bench, format_table
     from ..bench.frontier import parse_sweep
+    from ..bench.harness import RelaxedSettings
 
     try:
         sweeps = dict(parse_sweep(text) for text in sweeps)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--sweep") from None
-    audio = audio_settings(audio_dir, audio_scores, vocoder, asr, speaker_encoder, mos, scoring_workers)
-
+    scored = scoring(tokenizer, audio_dir, audio_scores, vocoder, asr, speaker_encoder, mos, scoring_workers)
     stores = tuple(s.strip() for s in stores.split(",") if s.strip())
     if not stores or set(stores) - {"speaker", "general"}:
         raise click.BadParameter("use speaker and/or general", param_hint="--stores")
     if max_nodes not in (None, "auto") and not max_nodes.isdigit():
         raise click.BadParameter(f"{max_nodes!r}: a non-negative integer (0: no tree) or 'auto'",
                                  param_hint="--max-nodes")
-    report = bench(checkpoint, store, prompts, speech_offset=speech_offset, vocab_size=vocab_size, stop_ids=stop_ids,
-                   token_rate=token_rate, tokenizer=tokenizer, policies=policies or POLICIES, sampler=sampler,
-                   stores=stores,
-                   max_nodes=max_nodes if max_nodes in (None, "auto") else int(max_nodes), max_depth=max_depth,
-                   sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths) or (max_depth,),
-                   sweep_policies=sweep_policies, limit=limit, rounds=rounds,
-                   max_new_tokens=max_new_tokens, threads=threads, seed=seed, tau=tau, beta=beta,
-                   similarity=similarity, device=device, dtype=dtype, out_dir=out_dir, sweeps=sweeps, **audio)
+    inputs = Inputs(checkpoint, store, prompts, limit, speech_offset=speech_offset, vocab_size=vocab_size,
+                    stop_ids=stop_ids, token_rate=token_rate, threads=threads, device=device, dtype=dtype)
+    spec = BenchSpec(inputs, policies=policies or POLICIES, stores=stores, sampler=sampler,
+                     relaxed=RelaxedSettings(tau, beta, similarity),
+                     max_nodes=max_nodes if max_nodes in (None, "auto") else int(max_nodes), max_depth=max_depth,
+                     sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths), sweep_policies=sweep_policies,
+                     sweeps=sweeps, rounds=rounds, max_new_tokens=max_new_tokens, seed=seed, scoring=scored,
+                     out_dir=out_dir)
+    report = bench(spec)
     click.echo(format_table(report, full=full))
     click.echo(f"\nWrote {out_dir}/bench.json, bench.md (the full table) and bench.png"
                + (", frontier.md, frontier.json and frontier.png" if sweeps else "")

@@ -27,7 +27,10 @@ class Proposer:
         """Forget per-request state (between passes)."""
 
 
-class EchospecProposer(Proposer):
+class RetrieverProposer(Proposer):
+    """echospec's in-process `Retriever.propose`, timed alone (the vLLM drafter is retriever/engines/proposer.py's
+    EchospecProposer)."""
+
     def __init__(self, name, retriever, held, speakers, nodes, build):
         super().__init__(name, "echospec", nodes, build)
         self.retriever, self.held, self.speakers = retriever, held, speakers

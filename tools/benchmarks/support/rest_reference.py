@@ -22,7 +22,7 @@ from typing import Sequence
 import numba
 import numpy as np
 
-from ...retriever.tree import SOURCES, CandidateTree
+from ....retriever.tree import SOURCES, CandidateTree
 
 SEPARATOR = -1  # between utterances; smaller than every token, never in a query
 _GENERAL = SOURCES.index("general")

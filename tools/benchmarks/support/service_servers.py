@@ -18,7 +18,7 @@ def free_port() -> int:
 
 
 def start_service(store_dir: Path, store_name: str, port: int) -> subprocess.Popen:
-    from ...retriever.client import RemoteRetriever, RetrieverUnavailable
+    from ....retriever.client import RemoteRetriever, RetrieverUnavailable
 
     echospec = str(Path(sys.executable).with_name("echospec"))
     proc = subprocess.Popen([echospec, "serve", f"{store_name}={store_dir}", "--port", str(port)])
@@ -40,7 +40,7 @@ class FloorApp:
     """The HTTP stack alone: what `serve` runs, with an app answering every request with the same bytes."""
 
     def __init__(self, answer: bytes):
-        from ...retriever.service import Limits
+        from ....retriever.service import Limits
 
         self.answer = answer
         self.limits = Limits()  # the service's defaults, which ServiceHttpProtocol reads from its app
@@ -60,7 +60,7 @@ class FloorApp:
 def serve_floor(port: int, answer: bytes) -> None:
     import uvicorn
 
-    from ...retriever.service import ServiceHttpProtocol
+    from ....retriever.service import ServiceHttpProtocol
 
     uvicorn.run(FloorApp(answer), host="127.0.0.1", port=port, log_level="warning", access_log=False,
                 server_header=False, http=ServiceHttpProtocol, proxy_headers=False, lifespan="off")
@@ -69,8 +69,8 @@ def serve_floor(port: int, answer: bytes) -> None:
 def start_floor(store_dir: str, request: tuple, port: int):
     """`serve_floor` in a forked process, answering every propose with the tree of `request` (context, speaker),
     a typical one."""
-    from ...retriever import Retriever
-    from ...retriever.client.wire import encode_trees
+    from ....retriever import Retriever
+    from ....retriever.client.wire import encode_trees
 
     context, speaker = request
     answer = encode_trees([Retriever(store_dir).propose(context, speaker=speaker)])

@@ -34,7 +34,7 @@ def score_tokens(records: list[dict], model_dir: str, meta, tokenizer_path) -> N
     from echospec.tools.bench.quality import dtw_distance
     from echospec.tools.corpus.speech_tokenizer import SpeechTokenizer
 
-    from ..corpus.tts_prompt import load_sample_tts
+    from ...corpus.tts_prompt import load_sample_tts
 
     model, _ = load_sample_tts(model_dir)
     mel = SpeechTokenizer.load(tokenizer_path).tokens_to_logmel

@@ -3,6 +3,7 @@ the baseline's echospec.datastore from `git archive`, alternating with today's i
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -17,15 +18,34 @@ from pathlib import Path
 import click
 import numpy as np
 
-from ..corpus.resample_corpus import resample
+from ...corpus.resample_corpus import resample
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def baseline_module(revision: str, repo: Path = REPO, path: str = "datastore/corpus.py"):
+    """A module of the datastore (`path`) as it was at `revision`, imported beside today's (same package,
+    other name) from a file of its own, so numba can cache its kernels."""
+    source = subprocess.run(["git", "-C", str(repo), "show", f"{revision}:{path}"], check=True,
+                            capture_output=True, text=True).stdout
+    name = f"_{Path(path).stem}_{revision}"
+    file = Path(tempfile.gettempdir()) / "echospec-baselines" / f"{name}.py"
+    file.parent.mkdir(exist_ok=True)
+    if not file.exists() or file.read_text() != source:
+        file.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"echospec.datastore.{name}", file)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "echospec.datastore"
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def sort_side_by_side(n_tokens: int, baseline: str, rounds: int, seed: int) -> dict:
     """A store's arrays (stream, sa, first, index: what write_exact_stream computes) from one resampled corpus
     by `baseline`'s datastore/exact.py and today's, alternating over `rounds` after a warm-up, in CPU seconds
     (this machine is shared) and wall seconds; the two must give identical arrays."""
-    from ...datastore import exact
-    from .bench_ingest import baseline_module
+    from ....datastore import exact
 
     old = baseline_module(baseline, path="datastore/exact.py")
     corpus = resample(n_tokens, seed)
@@ -92,7 +112,6 @@ def build_side_by_side(corpus: str, out: Path, shards: int, baseline: str, round
 def baseline_package(revision: str) -> Path:
     """A folder holding echospec/datastore as it was at `revision` (git archive): first on PYTHONPATH, it is the
     echospec.datastore a build imports (a build needs nothing else of echospec)."""
-    from .bench_ingest import REPO
 
     root = Path(tempfile.gettempdir()) / "echospec-baselines" / f"package-{revision}"
     if not (root / "echospec" / "datastore").is_dir():
