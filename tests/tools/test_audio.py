@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-pytest.importorskip("pocketsphinx", reason="the quality extra")
+pytest.importorskip("faster_whisper", reason="the quality extra")
 
 from echospec.tools.audio.scorers import (  # noqa: E402
-    DNSMOSPredictor, Job, PocketSphinxASR, ResemblyzerEncoder, ScoreCache, Setup, job_key, score_all, scoring_pool,
-    word_error_rate)
+    DNSMOSPredictor, Job, PocketSphinxASR, ResemblyzerEncoder, ScoreCache, Setup, WhisperASR, bundled_whisper_path,
+    job_key, load_asr, normalise_words, score_all, scoring_pool, word_error_rate)
 from echospec.tools.audio.vocoder import KMeansVocoder, read_wav, write_wav  # noqa: E402
 from echospec.tools.cli import main  # noqa: E402
 from echospec.tools.corpus import SAMPLE_MODEL_DIR, SAMPLE_PROMPTS, SAMPLE_TOKENIZER  # noqa: E402
@@ -24,14 +24,39 @@ def vocoder():
     return KMeansVocoder(SAMPLE_TOKENIZER)
 
 
-def test_reference_tokens_are_heard_better_than_the_same_tokens_shuffled(vocoder):
-    asr, rng = PocketSphinxASR(), np.random.default_rng(0)
+@pytest.fixture(scope="module")
+def whisper():
+    return WhisperASR()
+
+
+def test_whisper_hears_the_sample_s_reference_tokens_and_not_the_same_tokens_shuffled(vocoder, whisper):
+    rng = np.random.default_rng(0)
     heard, shuffled = [], []
-    for prompt in PROMPTS[:12]:
+    for prompt in PROMPTS[:10]:
         tokens = prompt["reference_tokens"]
-        heard.append(word_error_rate(prompt["text"], asr(*vocoder(tokens))))
-        shuffled.append(word_error_rate(prompt["text"], asr(*vocoder(rng.permutation(tokens)))))
-    assert np.mean(heard) < np.mean(shuffled)
+        heard.append(word_error_rate(prompt["text"], whisper(*vocoder(tokens))))
+        shuffled.append(word_error_rate(prompt["text"], whisper(*vocoder(rng.permutation(tokens)))))
+    assert np.mean(heard) < 0.5 and np.mean(shuffled) > 0.9, (heard, shuffled)
+
+
+def test_wer_compares_words_as_whisper_s_normaliser_writes_them():
+    assert normalise_words("Mr. Smith paid twenty-five dollars, didn't he?") == "mister smith paid $25 did not he"
+    assert word_error_rate("The colour is grey.", "the color is gray") == 0.0
+    assert word_error_rate("It costs ten pounds.", "it costs 10 pounds") == 0.0
+    assert word_error_rate("One two three four", "one two") == 0.5
+    with pytest.raises(ValueError, match="no words"):
+        word_error_rate("...", "anything")
+
+
+def test_asr_names_a_folder_pocketsphinx_or_a_callable(tmp_path):
+    assert isinstance(load_asr(bundled_whisper_path()), WhisperASR)  # a faster-whisper folder, here the bundled one
+    assert isinstance(load_asr("pocketsphinx"), PocketSphinxASR)
+    assert load_asr("audio_testing:asr_failing_on_short_audio").__name__ == "asr_failing_on_short_audio"
+    with pytest.raises(ValueError, match="no model.bin"):
+        load_asr(tmp_path)
+    result = CliRunner().invoke(main, ["bench", str(SAMPLE_MODEL_DIR), "--store", str(tmp_path), "--prompts",
+                                       str(SAMPLE_PROMPTS), "--asr", str(tmp_path)])
+    assert result.exit_code == 2 and "no model.bin" in result.output
 
 
 def test_two_sentences_of_one_voice_are_closer_than_two_voices(vocoder):
@@ -69,7 +94,7 @@ def test_a_wav_lasts_its_tokens_over_the_token_rate(vocoder, tmp_path):
         assert 0.5 < np.abs(waveform).max() <= 1.0
     assert np.array_equal(vocoder(PROMPTS[0]["reference_tokens"])[0], vocoder(PROMPTS[0]["reference_tokens"])[0])
     with pytest.raises(ValueError, match="speech tokens must lie in"):
-        vocoder([0, 512])
+        vocoder([0, vocoder.tokenizer.vocab_size])
 
 
 def test_a_scorer_failing_on_one_utterance_is_reported_for_it_and_the_rest_scored(tmp_path):
