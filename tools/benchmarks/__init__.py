@@ -2,6 +2,7 @@
 harness (tools/bench/harness.py). They are not in the wheel: run them from a checkout (installed with
 `pip install -e`) as `python -m echospec.tools.benchmarks.NAME --help`.
 
+    acceptance_share    the acceptance walk's share of decode time per policy, on the sample (any tree's code)
     auto_replay         the adaptive node budget replayed on recorded decode steps against every fixed cap
     baselines           bench_shards' builds and sorts side by side with a baseline revision's
     bench_decoder       the decoder against Hugging Face generate on a small Llama
