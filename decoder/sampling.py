@@ -72,8 +72,8 @@ class Positions:
     def mask(self, scores: torch.Tensor) -> torch.Tensor:
         """The minimum-length rule of Hugging Face and of CosyVoice, at every row: blocked ids get -inf."""
         root = self.root
-        if not root.blocked:
-            return scores
+        if not root.blocked or (root.blocked_below is not None and root.n_generated >= root.blocked_below):
+            return scores  # past the minimum length (most steps): nothing to mask
         blocked = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
         blocked[list(root.blocked)] = True
         if root.blocked_below is not None:
@@ -176,8 +176,13 @@ class RAS:
 
     def distributions(self, logits: torch.Tensor, positions: Positions) -> torch.Tensor:
         probs = torch.softmax(positions.mask(logits.float()), dim=-1)
-        values, ids = probs.sort(dim=-1, descending=True, stable=True)
-        head, ids = values[:, : self.top_k], ids[:, : self.top_k]
+        # the top_k in descending order, equal probabilities by ascending id as CosyVoice's stable sort has them
+        # (topk, not a sort of the whole vocabulary: on a CPU the sort cost a step more than the rest of the pass)
+        head, ids = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
+        order = torch.sort(ids, dim=-1).indices  # ids ascending, then stably by descending probability
+        head, ids = head.gather(1, order), ids.gather(1, order)
+        order = head.sort(dim=-1, descending=True, stable=True).indices
+        head, ids = head.gather(1, order), ids.gather(1, order)
         # the nucleus: tokens while the running sum before them (accumulated in CosyVoice's order, compared in
         # float32 as its tensor comparison is) is below top_p, at least one
         before = torch.cumsum(head, -1)[:, :-1]
