@@ -11,26 +11,20 @@ sampling's, which the log-mel distortion measured as a loss of quality.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 from typing import Callable, Sequence
 
 import torch
 
-from .sampling import RAS, NodeState, Sampler, make_generator, mask_blocked
+from .sampling import RAS, NodeState, Sampler, make_generator
+from .verified import Rows, VerifiedTree
 
-
-@dataclass
-class VerifiedTree:
-    """What the verifier hands a policy: one logits row per position (row 0 = the root) and the tree's shape."""
-
-    logits: torch.Tensor  # float[1 + N, V]
-    tokens: list[int]  # model ids of the N nodes
-    children: list[list[int]]  # children[node + 1]: child node indices of `node` (-1 = root)
-    state_at: Callable[[list[int]], NodeState]  # sampler state after root + the nodes on `path`
+__all__ = ["ExactGreedy", "ExactSampling", "Filtered", "GroupRejection", "Policy", "Rows", "SimilarityGroups",
+           "TokenGroups", "Tolerance", "VerifiedTree"]
 
 
 class Policy:
-    """One acceptance rule. Subclasses implement `choose` and declare `exact`; `walk` is shared.
+    """One acceptance rule. Subclasses implement `decide` and declare `exact`; `walk` is shared.
 
     `exact = True`: the policy emits exactly the tokens autoregressive decoding would (for a sampler, with
     the same draws), whatever the tree. `exact = False`: relaxed, its tokens depend on the tree. No default:
@@ -39,6 +33,7 @@ class Policy:
     """
 
     exact: bool
+    sampler: Sampler | RAS | None = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -55,24 +50,38 @@ class Policy:
     def bind(self, embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Called once per session with the target's token-embedding lookup (only SimilarityGroups uses it)."""
 
-    def choose(self, logits: torch.Tensor, child_tokens: list[int], state: NodeState) -> tuple[int | None, int]:
-        """(index into child_tokens to follow, or None; the token emitted at this position)."""
+    def decide(self, rows: Rows, node: int, child_tokens: list[int], path: list[int]) -> tuple[int | None, int]:
+        """At `node`'s row (-1: the root), reached by `path`: (index into child_tokens to follow, or None; the
+        token emitted there). `rows` holds the step's batched quantities; read only the rows you need."""
         raise NotImplementedError
 
-    def walk(self, tree: VerifiedTree) -> tuple[list[int], int | None]:
-        """(accepted node indices root-to-leaf, bonus token or None when the path ends with a stop token)."""
+    def walk(self, tree: VerifiedTree, rows: Rows | None = None) -> tuple[list[int], int | None]:
+        """(accepted node indices root-to-leaf, bonus token or None when the path ends with a stop token). `rows`:
+        the tree's distributions when given (vLLM's), else this policy's sampler's, in one pass."""
+        rows = rows if rows is not None else Rows(tree, self.generator, self.sampler)
         path: list[int] = []
         node = -1
         while True:
-            state = tree.state_at(path)
-            kids = tree.children[node + 1]
-            pick, token = self.choose(tree.logits[node + 1], [tree.tokens[k] for k in kids], state)
+            kids = tree.children(node)
+            pick, token = self.decide(rows, node, [tree.tokens[k] for k in kids], path)
             if pick is None:
+                rows.done(len(path) + 1)
                 return path, token
             node = kids[pick]
             path.append(node)
-            if token in state.stop_ids:
+            if token in tree.root.stop_ids:
+                rows.done(len(path))
                 return path, None
+
+    def choose(self, logits: torch.Tensor, child_tokens: list[int], state: NodeState) -> tuple[int | None, int]:
+        """The rule at one position: (index into child_tokens to follow, or None; the token emitted there), with
+        `logits` there and `state` the sampler's view (the root of a tree of `child_tokens`)."""
+        tree = VerifiedTree(logits[None].expand(len(child_tokens) + 1, -1), child_tokens, [-1] * len(child_tokens),
+                            state)
+        rows = Rows(tree, self.generator, self.sampler)
+        decided = self.decide(rows, -1, list(child_tokens), [])
+        rows.done(1)
+        return decided
 
 
 def _match(child_tokens: Sequence[int], token: int) -> int | None:
@@ -94,24 +103,22 @@ def _sampler(policy: str, sampler, default):
 # policy classes'. ----
 
 
-def filtered_choice(token: int, scores: torch.Tensor, child_tokens: Sequence[int], generated: Sequence[int],
-                    stop_ids: Sequence[int], tau: int, win_size: int, tau_r: float) -> tuple[int | None, int]:
+def filtered_choice(token: int, child_tokens: Sequence[int], child_ranks: Sequence[int],
+                    child_scores: Sequence[float], generated: Sequence[int], stop_ids: Sequence[int], tau: int,
+                    win_size: int, tau_r: float) -> tuple[int | None, int]:
     """Filtered's rule at one position: (index into child_tokens accepted or None, token emitted). `token` is the
-    sampler's draw there, emitted unless a draft passes; `scores` the target's logits with blocked ids at -inf;
-    `generated` the output before this position. A draft passes when it ranks within the top `tau` of `scores`
-    and occurs fewer than win_size * tau_r times in the last `win_size` generated tokens; the likeliest passing
-    draft wins. A drawn stop token is emitted: the end of speech is decided exactly."""
+    sampler's draw there, emitted unless a draft passes; each draft's rank (how many ids the target scores higher,
+    blocked ids at -inf) and score there; `generated` the output before this position. A draft passes when it
+    ranks within the top `tau`, is not blocked, and occurs fewer than win_size * tau_r times in the last `win_size`
+    generated tokens; the likeliest passing draft wins. A drawn stop token is emitted: the end of speech is decided
+    exactly."""
     if not child_tokens or token in stop_ids:
         return None, token
     recent = list(generated[-win_size:]) if win_size else []
-
-    def passes(draft: int) -> bool:
-        rank = int((scores > scores[draft]).sum())
-        return rank < tau and bool(torch.isfinite(scores[draft])) and recent.count(draft) < win_size * tau_r
-
-    passing = [i for i, t in enumerate(child_tokens) if passes(t)]
+    passing = [i for i, draft in enumerate(child_tokens) if child_ranks[i] < tau and child_scores[i] > -math.inf
+               and recent.count(draft) < win_size * tau_r]
     if passing:
-        best = max(passing, key=lambda i: float(scores[child_tokens[i]]))
+        best = max(passing, key=lambda i: child_scores[i])
         return best, child_tokens[best]
     return None, token
 
@@ -155,7 +162,8 @@ class TokenGroups:
     symmetric, so u is in c's group exactly when c is in u's: u belongs to len(group(u)) groups.
 
     `embed` maps ids to embedding rows (the target's LM head, or given embeddings). Groups are found as they
-    are needed and kept: the first search normalises the whole table once (vocabulary x hidden floats).
+    are needed and kept on the host, where the rules that read them run: the first search normalises the whole
+    table once (vocabulary x hidden floats).
     """
 
     def __init__(self, embed: Callable[[torch.Tensor], torch.Tensor], threshold: float):
@@ -165,7 +173,7 @@ class TokenGroups:
 
     def similarity(self, ids: Sequence[int], token: int) -> torch.Tensor:
         """Cosine similarity of each of `ids` with `token`."""
-        vectors = torch.nn.functional.normalize(self.embed(torch.tensor([*ids, token])).float(), dim=-1)
+        vectors = torch.nn.functional.normalize(self.embed(torch.tensor([*ids, token])).float().cpu(), dim=-1)
         return vectors[:-1] @ vectors[-1]
 
     def members(self, tokens: Sequence[int], vocab_size: int) -> list[torch.Tensor]:
@@ -173,7 +181,8 @@ class TokenGroups:
         missing = [t for t in dict.fromkeys(tokens) if t not in self._members]
         if missing:
             if self._unit is None or len(self._unit) != vocab_size:
-                self._unit = torch.nn.functional.normalize(self.embed(torch.arange(vocab_size)).float(), dim=-1)
+                self._unit = torch.nn.functional.normalize(self.embed(torch.arange(vocab_size)).float().cpu(),
+                                                           dim=-1)
             near = (self._unit[missing] @ self._unit.T) >= self.threshold
             near[torch.arange(len(missing)), missing] = True
             for token, row in zip(missing, near):
@@ -251,8 +260,8 @@ class ExactGreedy(Policy):
 
     exact = True
 
-    def choose(self, logits, child_tokens, state):
-        token = int(torch.argmax(mask_blocked(logits, state)))
+    def decide(self, rows, node, child_tokens, path):
+        token = rows.argmax[node + 1]
         return _match(child_tokens, token), token
 
 
@@ -269,8 +278,8 @@ class ExactSampling(Policy):
         super().__init__(seed=seed)
         self.sampler = _sampler("ExactSampling", sampler, Sampler())
 
-    def choose(self, logits, child_tokens, state):
-        token = self.sampler.sample(logits, state, self.generator)
+    def decide(self, rows, node, child_tokens, path):
+        token = rows.draws[node + 1]
         return _match(child_tokens, token), token
 
 
@@ -300,10 +309,15 @@ class Filtered(Policy):
         self.tau, self.win_size, self.tau_r = tau, win_size, tau_r
         self.sampler = _sampler("Filtered", sampler, RAS())
 
-    def choose(self, logits, child_tokens, state):
-        token = self.sampler.sample(logits, state, self.generator)  # the bonus token, unless a draft passes
-        return filtered_choice(token, mask_blocked(logits.float(), state), child_tokens, state.generated,
-                               state.stop_ids, self.tau, self.win_size, self.tau_r)
+    def decide(self, rows, node, child_tokens, path):
+        token = rows.draws[node + 1]  # the bonus token, unless a draft passes
+        if not child_tokens:
+            return None, token
+        ranks, scores = rows.child_ranks
+        kids = rows.tree.children(node)
+        return filtered_choice(token, child_tokens, [ranks[k] for k in kids], [scores[k] for k in kids],
+                               rows.tree.generated_at(path), rows.tree.root.stop_ids, self.tau, self.win_size,
+                               self.tau_r)
 
 
 class Tolerance(Policy):
@@ -328,10 +342,10 @@ class Tolerance(Policy):
         self.beta = beta
         self.sampler = _sampler("Tolerance", sampler, Sampler())
 
-    def choose(self, logits, child_tokens, state):
+    def decide(self, rows, node, child_tokens, path):
         if not child_tokens:  # q itself, drawn as autoregressive sampling draws it, at its cost
-            return None, self.sampler.sample(logits, state, self.generator)
-        return tolerance_choice(self.sampler.distribution(logits, state), child_tokens, state.stop_ids, self.beta,
+            return None, rows.draw(node + 1)
+        return tolerance_choice(rows.q_at(node + 1), child_tokens, rows.tree.root.stop_ids, self.beta,
                                 self.generator)
 
 
@@ -370,11 +384,11 @@ class SimilarityGroups(Policy):
                              f"generate/SpeculativeSession")
         return self.groups
 
-    def choose(self, logits, child_tokens, state):
-        token = self.sampler.sample(logits, state, self.generator)
+    def decide(self, rows, node, child_tokens, path):
+        token = rows.draws[node + 1]
         if not child_tokens:
             return None, token
-        return similarity_choice(token, child_tokens, state.stop_ids, self._groups())
+        return similarity_choice(token, child_tokens, rows.tree.root.stop_ids, self._groups())
 
 
 class GroupRejection(SimilarityGroups):
@@ -395,9 +409,9 @@ class GroupRejection(SimilarityGroups):
 
     exact = False
 
-    def choose(self, logits, child_tokens, state):
+    def decide(self, rows, node, child_tokens, path):
         if not child_tokens:
-            return None, self.sampler.sample(logits, state, self.generator)
-        q = self.sampler.distribution(logits, state)
-        pick, token, _ = group_rejection(q, child_tokens, state.stop_ids, self._groups(), self.generator)
+            return None, rows.draw(node + 1)
+        pick, token, _ = group_rejection(rows.q_at(node + 1), child_tokens, rows.tree.root.stop_ids,
+                                         self._groups(), self.generator)
         return pick, token

@@ -1,8 +1,10 @@
-"""Token samplers: the target's sampling rule at one position, as a distribution and as a seeded draw.
+"""Token samplers: the target's sampling rule at every position of a step, as distributions and as seeded draws.
 
-A sampler is what autoregressive decoding would do at a position. Lossless policies call `sample` at every
-tree node (so speculative output is distributed exactly like autoregressive output with the same sampler);
-`distribution` gives the same rule as probabilities for the residual and relaxed rules.
+A sampler is what autoregressive decoding would do at a position. `distributions` computes it for all of a step's
+positions (the root and every tree node, each with its own history) in one batched pass on the logits' device; the
+lossless policies draw from those rows (so speculative output is distributed exactly like autoregressive output with
+the same sampler) and the residual and relaxed rules read them as probabilities. `distribution` and `sample` are the
+same rule at one position.
 """
 
 from __future__ import annotations
@@ -29,11 +31,55 @@ class NodeState:
     history: Sequence[int]  # prompt ids (when the prompt was ids) + generated ids, oldest first
     n_generated: int  # how many of `history`'s last tokens were generated (CosyVoice's `decoded_tokens`)
     stop_ids: tuple[int, ...] = ()
-    blocked: tuple[int, ...] = ()  # ids that may not be emitted here: the stop ids a minimum length masks
+    blocked: tuple[int, ...] = ()  # ids that may not be emitted: the stop ids a minimum length masks
+    blocked_below: int | None = None  # `blocked` holds while fewer than this many are generated (None: always)
 
     @property
     def generated(self) -> Sequence[int]:
         return self.history[len(self.history) - self.n_generated :]
+
+
+@dataclass
+class Positions:
+    """A step's positions as a sampler sees them: the root's state and, for each row, the path below the root
+    (row 0 is the root itself, with an empty path)."""
+
+    root: NodeState
+    paths: torch.Tensor  # long[R, D]: row r's tokens from depth 1 to its own depth, -1 after it
+    depths: torch.Tensor  # long[R]
+
+    @classmethod
+    def of(cls, state: NodeState, device=None) -> Positions:
+        """One position: `state` itself."""
+        return cls(state, torch.empty(1, 0, dtype=torch.long, device=device),
+                   torch.zeros(1, dtype=torch.long, device=device))
+
+    def tails(self, history: Sequence[int], length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids long[R, L], valid bool[R, L]): each row's last `length` tokens (None: all) of `history` followed
+        by its path, where `valid`; elsewhere the row's last token again (padding that adds no new id)."""
+        prefix = torch.tensor(list(history[-length:] if length else history), dtype=torch.long,
+                              device=self.paths.device)
+        rows, held = len(self.depths), len(prefix)
+        ids = torch.cat([prefix.expand(rows, held), self.paths], 1)
+        end = held + self.depths  # row r's tokens are ids[r, :end]
+        column = torch.arange(ids.shape[1], device=ids.device)
+        start = (end - length).clamp(min=0) if length else torch.zeros_like(end)
+        valid = (column >= start[:, None]) & (column < end[:, None])
+        if not ids.shape[1]:
+            return ids, valid
+        return torch.where(valid, ids, ids.gather(1, (end - 1).clamp(min=0)[:, None])).clamp(min=0), valid
+
+    def mask(self, scores: torch.Tensor) -> torch.Tensor:
+        """The minimum-length rule of Hugging Face and of CosyVoice, at every row: blocked ids get -inf."""
+        root = self.root
+        if not root.blocked or (root.blocked_below is not None and root.n_generated >= root.blocked_below):
+            return scores  # past the minimum length (most steps): nothing to mask
+        blocked = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+        blocked[list(root.blocked)] = True
+        if root.blocked_below is not None:
+            rows = (root.n_generated + self.depths < root.blocked_below).to(scores.device)
+            blocked = rows[:, None] & blocked
+        return scores.masked_fill(blocked, -float("inf"))
 
 
 def make_generator(seed: int | torch.Generator | None) -> torch.Generator:
@@ -45,13 +91,18 @@ def make_generator(seed: int | torch.Generator | None) -> torch.Generator:
     return generator
 
 
-def mask_blocked(scores: torch.Tensor, state: NodeState) -> torch.Tensor:
-    """The minimum-length rule of Hugging Face and of CosyVoice: blocked ids get -inf."""
-    if not state.blocked:
-        return scores
-    scores = scores.clone()
-    scores[..., list(state.blocked)] = -float("inf")
-    return scores
+def draw_rows(q: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One id per row of `q` (float[R, V], rows summing to about 1) by inverting its running sum at that row's
+    uniform in [0, 1), on q's device. Never an id of probability 0 (rounding clamps to the last possible one)."""
+    cdf = q.double().cumsum(-1)
+    ids = torch.searchsorted(cdf, (uniforms.to(cdf) * cdf[:, -1])[:, None], right=True)[:, 0]
+    last = q.shape[-1] - 1 - (q > 0).flip(-1).to(torch.uint8).argmax(-1)
+    return torch.minimum(ids, last)
+
+
+def draw(q: torch.Tensor, generator: torch.Generator) -> int:
+    """One id from the distribution `q` (float[V], any device) with the next uniform of `generator` (a CPU one)."""
+    return int(draw_rows(q[None], torch.rand(1, generator=generator, dtype=torch.float64))[0])
 
 
 class Sampler:
@@ -84,19 +135,24 @@ class Sampler:
     def __repr__(self) -> str:
         return f"Sampler({', '.join(f'{k}={v}' for k, v in self.params.items())})"
 
-    def scores(self, logits: torch.Tensor, state: NodeState) -> torch.Tensor:
-        scores = logits.float()[None]
-        if len(self.penalties) and len(state.history):
-            window = state.history if self.repetition_window is None else state.history[-self.repetition_window:]
-            scores = self.penalties(torch.tensor([list(window)], device=scores.device), scores)
-        scores = mask_blocked(scores, state)
-        return self.warpers(None, scores)[0] if len(self.warpers) else scores[0]
+    def scores(self, logits: torch.Tensor, positions: Positions) -> torch.Tensor:
+        """float[R, V]: every row's logits after the penalty (over its own history), the mask and the warpers."""
+        scores = logits.float()
+        if len(self.penalties):
+            ids, valid = positions.tails(positions.root.history, self.repetition_window)
+            if ids.shape[1]:  # (Hugging Face penalises each id once, however often it occurs: padding is harmless)
+                scores = torch.where(valid.any(-1, keepdim=True), self.penalties(ids, scores), scores)
+        scores = positions.mask(scores)
+        return self.warpers(None, scores) if len(self.warpers) else scores
+
+    def distributions(self, logits: torch.Tensor, positions: Positions) -> torch.Tensor:
+        return torch.softmax(self.scores(logits, positions), dim=-1)
 
     def distribution(self, logits: torch.Tensor, state: NodeState) -> torch.Tensor:
-        return torch.softmax(self.scores(logits, state), dim=-1)
+        return self.distributions(logits[None], Positions.of(state, logits.device))[0]
 
     def sample(self, logits: torch.Tensor, state: NodeState, generator: torch.Generator) -> int:
-        return int(torch.multinomial(self.distribution(logits, state), 1, generator=generator))
+        return draw(self.distribution(logits, state), generator)
 
 
 class RAS:
@@ -108,7 +164,8 @@ class RAS:
     than `top_k`. If the drawn token occurs at least `win_size * tau_r` times among the last `win_size`
     generated tokens, draw again from the full softmax without that token. (Before upstream's "fix ras",
     the second draw could return the repeated token; before "simply code", a stop token drawn too early
-    was thrown away and the whole draw repeated instead of masked.)
+    was thrown away and the whole draw repeated instead of masked.) `distributions` gives the two draws'
+    outcome as one distribution per row, which one uniform then draws from.
     """
 
     def __init__(self, top_p: float = 0.8, top_k: int = 25, win_size: int = 10, tau_r: float = 0.1):
@@ -117,49 +174,33 @@ class RAS:
     def __repr__(self) -> str:
         return f"RAS(top_p={self.top_p}, top_k={self.top_k}, win_size={self.win_size}, tau_r={self.tau_r})"
 
-    def _nucleus(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, probabilities) of the nucleus, probabilities not renormalised (multinomial does that)."""
-        values, ids = probs.sort(descending=True, stable=True)
-        head = values[: self.top_k]
-        # the running sum before each token, accumulated in the same order as CosyVoice's loop; compared in
-        # float32 like the tensor comparison it replaces (a Python loop over 25 floats beats 4 tensor ops)
-        top_p = float(np.float32(self.top_p))
-        keep = 1 if 0.0 < top_p else 0
-        for before in torch.cumsum(head, 0)[:-1].tolist():
-            if before >= top_p:
-                break
-            keep += 1
-        keep = max(keep, 1)
-        return ids[:keep], head[:keep]
-
-    def _repeats(self, token: int, state: NodeState) -> bool:
-        return list(state.generated[-self.win_size:]).count(token) >= self.win_size * self.tau_r
-
-    @staticmethod
-    def _probs(logits: torch.Tensor, state: NodeState) -> torch.Tensor:
-        return torch.softmax(mask_blocked(logits.float(), state), dim=-1)
-
-    def sample(self, logits: torch.Tensor, state: NodeState, generator: torch.Generator) -> int:
-        probs = self._probs(logits, state)
-        ids, head = self._nucleus(probs)
-        token = int(ids[torch.multinomial(head, 1, replacement=True, generator=generator)])
-        if self._repeats(token, state):
-            rest = probs.clone()
-            rest[token] = 0.0
-            if float(rest.sum()) > 0:  # (upstream's softmax of nothing but -inf would fail here)
-                token = int(torch.multinomial(rest, 1, replacement=True, generator=generator))
-        return token
+    def distributions(self, logits: torch.Tensor, positions: Positions) -> torch.Tensor:
+        probs = torch.softmax(positions.mask(logits.float()), dim=-1)
+        # the top_k in descending order, equal probabilities by ascending id as CosyVoice's stable sort has them
+        # (topk, not a sort of the whole vocabulary: on a CPU the sort cost a step more than the rest of the pass)
+        head, ids = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
+        order = torch.sort(ids, dim=-1).indices  # ids ascending, then stably by descending probability
+        head, ids = head.gather(1, order), ids.gather(1, order)
+        order = head.sort(dim=-1, descending=True, stable=True).indices
+        head, ids = head.gather(1, order), ids.gather(1, order)
+        # the nucleus: tokens while the running sum before them (accumulated in CosyVoice's order, compared in
+        # float32 as its tensor comparison is) is below top_p, at least one
+        before = torch.cumsum(head, -1)[:, :-1]
+        keep = 1 + (before < float(np.float32(self.top_p))).sum(-1, keepdim=True)
+        weight = head * (torch.arange(head.shape[-1], device=head.device) < keep)
+        weight = weight / weight.sum(-1, keepdim=True)
+        # a drawn token that repeats in its row's window is drawn again from the softmax without it
+        recent, valid = positions.tails(positions.root.generated, self.win_size or None)
+        counts = torch.zeros_like(probs).scatter_add_(1, recent, valid.to(probs.dtype))
+        rest = 1.0 - head
+        redrawn = (counts.gather(1, ids) >= self.win_size * self.tau_r) & (rest > 0)
+        again = torch.where(redrawn, weight / rest.clamp(min=1e-30), 0.0)
+        dist = again.sum(-1, keepdim=True) * probs
+        dist.scatter_add_(1, ids, torch.where(redrawn, -again * head, weight))
+        return dist.clamp(min=0.0)
 
     def distribution(self, logits: torch.Tensor, state: NodeState) -> torch.Tensor:
-        probs = self._probs(logits, state)
-        ids, head = self._nucleus(probs)
-        nucleus = head / head.sum()
-        dist = torch.zeros_like(probs)
-        for token, weight in zip(ids.tolist(), nucleus.tolist()):
-            rest = 1.0 - float(probs[token])
-            if self._repeats(token, state) and rest > 0:
-                dist += (weight / rest) * probs
-                dist[token] -= (weight / rest) * probs[token]
-            else:
-                dist[token] += weight
-        return dist
+        return self.distributions(logits[None], Positions.of(state, logits.device))[0]
+
+    def sample(self, logits: torch.Tensor, state: NodeState, generator: torch.Generator) -> int:
+        return draw(self.distribution(logits, state), generator)

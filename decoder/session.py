@@ -149,8 +149,9 @@ class SpeculativeSession:
         return vectors.to(device=self.device, dtype=self.dtype)[None]
 
     def _logits(self, inputs: dict, last_only: bool = False, **kwargs) -> torch.Tensor:
-        """The model's logits [1, T, V] as float32 on the host (only the last position's with `last_only`),
-        filling the cache."""
+        """The model's logits [1, T, V] as float32 on its device (only the last position's with `last_only`),
+        filling the cache. The policy reads them there in one batched pass; what comes back to the host is the
+        few numbers its walk needs."""
         start = time.perf_counter()
         cache = {self._cache_argument: self.cache}  # `cache` in transformers 5, `past_key_values` in 4
         if self.head is None:
@@ -159,8 +160,10 @@ class SpeculativeSession:
         else:
             hidden = self.backbone(**inputs, **cache, use_cache=True, **kwargs).last_hidden_state
             logits = self.head(hidden[:, -1:] if last_only else hidden)
-        logits = logits.float().cpu()  # policies and their seeded CPU generators work on the host
-        self.stats.forward_seconds += time.perf_counter() - start  # after the copy: a GPU's call returns early
+        logits = logits.float()
+        if logits.is_cuda:  # a GPU's call returns before the forward has run: time the forward, not its launch
+            torch.cuda.synchronize(logits.device)
+        self.stats.forward_seconds += time.perf_counter() - start
         self.stats.target_forwards += 1
         return logits
 
@@ -204,7 +207,7 @@ class SpeculativeSession:
         if not compat.keeps_every_token(self.cache):
             raise UnsupportedModelError("the model's cache has layers other than full-attention DynamicLayer")
         self.cached = self._prompt_length = length
-        _, bonus = self.policy.walk(VerifiedTree(logits, [], [[]], self._state_at))
+        _, bonus = self.accept(VerifiedTree(logits, [], [], self._root_state()))
         return self.emit([bonus])
 
     def run(self, input_ids=None, inputs_embeds=None) -> Iterator[list[int]]:
@@ -294,10 +297,7 @@ class SpeculativeSession:
         tokens = self.speech.to_model(tree.tokens)
         positions = self.cached + torch.tensor([0] + tree.depths.tolist(), dtype=torch.long)
         logits = self._forward([self.generated[-1]] + tokens, positions, self._tree_mask(tree) if n else None)
-        children = [[] for _ in range(n + 1)]
-        for i, parent in enumerate(tree.parents.tolist()):
-            children[parent + 1].append(i)
-        return VerifiedTree(logits, tokens, children, lambda path: self._state_at([tokens[i] for i in path]))
+        return VerifiedTree(logits, tokens, tree.parents, self._root_state())
 
     def _tree_mask(self, tree: CandidateTree) -> torch.Tensor:
         """Additive float mask [1, 1, 1+N, cached+1+N]: 0 where attending, the dtype's minimum elsewhere.
@@ -317,7 +317,11 @@ class SpeculativeSession:
 
     def accept(self, verified: VerifiedTree) -> tuple[list[int], int | None]:
         """The policy's walk: accepted node indices and the bonus token (None after a stop token)."""
-        return self.policy.walk(verified)
+        start = time.perf_counter()
+        try:
+            return self.policy.walk(verified)
+        finally:
+            self.stats.accept_seconds += time.perf_counter() - start
 
     def compact(self, n_nodes: int, path: list[int]) -> None:
         """Keep the root and the nodes on `path` in the cache, in order; crop the other nodes of the tree.
@@ -368,12 +372,10 @@ class SpeculativeSession:
         summary = getattr(self.budget, "summary", None)
         self.stats.budget = summary() if summary else None
 
-    def _state_at(self, path_tokens: list[int]) -> NodeState:
-        """The sampler's view at the position after the emitted tokens and `path_tokens`."""
-        n_generated = len(self.generated) + len(path_tokens)
-        history = self._history + path_tokens if path_tokens else self._history  # read-only during the walk
-        blocked = self.min_length_stop_ids if n_generated < self.min_new_tokens else ()
-        return NodeState(history, n_generated, self.speech.stop_ids, blocked)
+    def _root_state(self) -> NodeState:
+        """The sampler's view at the position after the emitted tokens (a tree's nodes extend it by their paths)."""
+        return NodeState(self._history, len(self.generated), self.speech.stop_ids, self.min_length_stop_ids,
+                         self.min_new_tokens)
 
     def emit(self, tokens: list[int]) -> list[int]:
         """Append `tokens` (model ids: a step's accepted path and bonus token) to `generated`, up to a stop

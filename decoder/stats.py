@@ -17,6 +17,7 @@ class GenerationStats:
     wall_seconds: float = 0.0
     propose_seconds: float = 0.0
     forward_seconds: float = 0.0
+    accept_seconds: float = 0.0  # the policy's walks: its batched pass over the rows and its decisions
     retriever_errors: int = 0
     retriever_timeouts: int = 0
     token_rate: float = 25.0  # speech tokens per second of audio
@@ -39,6 +40,10 @@ class GenerationStats:
     def propose_share(self) -> float:
         return self.propose_seconds / max(self.wall_seconds, 1e-9)
 
+    @property
+    def accept_share(self) -> float:
+        return self.accept_seconds / max(self.wall_seconds, 1e-9)
+
     def to_dict(self) -> dict:
-        derived = ("tokens_per_forward", "time_per_token", "lm_rtf", "propose_share")
+        derived = ("tokens_per_forward", "time_per_token", "lm_rtf", "propose_share", "accept_share")
         return asdict(self) | {name: getattr(self, name) for name in derived}

@@ -215,21 +215,26 @@ def _validate_params(self, params, supported_tasks):
 # ---- the worker: relaxed rows sampled along their chains ------------------------------------------------------
 
 class RelaxedState:
-    """What the patched runner keeps between steps: each relaxed request's rule and generator, and the token groups
-    of each similarity threshold (from the model's LM head)."""
+    """What the patched runner keeps between steps: each relaxed request's policy (its rule, options and generator),
+    and the token groups of each similarity threshold (from the model's LM head)."""
 
     def __init__(self):
-        self.requests: dict[str, tuple[Rule, torch.Generator]] = {}
+        self.requests: dict[str, object] = {}
         self.groups: dict[float, object] = {}
 
-    def request(self, req_id: str, params) -> tuple[Rule, torch.Generator] | None:
+    def request(self, req_id: str, params, model):
+        """The request's policy (made on its first step), or None when it did not ask for echospec."""
         if req_id not in self.requests:
             rule = read_rule(params.extra_args)
             if rule is None:
                 return None
             generator = torch.Generator()
             seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-            self.requests[req_id] = (rule, generator.manual_seed(seed))
+            policy = getattr(import_module("echospec.decoder.policies"), POLICIES[rule.policy])(
+                seed=generator.manual_seed(seed), **rule.options)
+            if "threshold" in rule.options:  # SimilarityGroups and GroupRejection: the model's groups, shared
+                policy.groups = self.token_groups(model, rule.options["threshold"])
+            self.requests[req_id] = policy
         return self.requests[req_id]
 
     def forget_all_but(self, req_ids) -> None:
@@ -255,9 +260,10 @@ def _sample(self, logits, spec_decode_metadata):
     rows = {}
     for row, req_id in enumerate(batch.req_ids[:batch.num_reqs]):
         request = self.requests[req_id]
-        relaxed = state.request(req_id, request.sampling_params) if request.sampling_params else None
-        if relaxed is not None:
-            rows[row] = (request, relaxed)
+        policy = state.request(req_id, request.sampling_params, self.get_model()) \
+            if request.sampling_params else None
+        if policy is not None:
+            rows[row] = (request, policy)
     if not rows:
         return _originals["sample"](self, logits, spec_decode_metadata)
     if len(rows) < batch.num_reqs:
@@ -269,14 +275,10 @@ def _sample(self, logits, spec_decode_metadata):
                                                             -1, dtype=torch.int32, device=logits.device),
                                logprobs_tensors=None)
     discard = self.discard_request_mask.np
-    chains = [Chain(row, request, relaxed, spec_decode_metadata) for row, (request, relaxed) in rows.items()
+    chains = [Chain(row, request, policy, spec_decode_metadata) for row, (request, policy) in rows.items()
               if not discard[row]]  # a discarded row is a partial prefill: its token is thrown away
-    distributions = target_distributions(batch.sampling_metadata, logits, chains)
-    for chain, (scores, q) in zip(chains, distributions):
-        rule, generator = chain.relaxed
-        groups = state.token_groups(self.get_model(), rule.options["threshold"]) \
-            if rule.policy in ("similarity", "pcg") else None
-        tokens = walk_chain(rule, scores, q, chain.drafts, chain.output, chain.stop_ids, generator, groups)
+    for chain, (scores, q) in zip(chains, target_distributions(batch.sampling_metadata, logits, chains)):
+        tokens = chain_tokens(chain.policy, scores, q, chain.drafts, chain.root)
         output.sampled_token_ids[chain.row] = -1
         output.sampled_token_ids[chain.row, :len(tokens)] = torch.tensor(tokens,
                                                                            dtype=output.sampled_token_ids.dtype)
@@ -284,24 +286,36 @@ def _sample(self, logits, spec_decode_metadata):
 
 
 class Chain:
-    """One relaxed row this step: its drafts, the rows of `logits` it owns (one per chain position), its output."""
+    """One relaxed row this step: its drafts, the rows of `logits` it owns (one per chain position), its policy and
+    the sampler's view at its first position (the request's output; its min_tokens as the stops' block)."""
 
-    def __init__(self, row: int, request, relaxed, spec):
-        self.row, self.relaxed, self.params = row, relaxed, request.sampling_params
+    def __init__(self, row: int, request, policy, spec):
+        from .sampling import NodeState
+
+        self.row, self.policy, self.params = row, policy, request.sampling_params
         n = spec.num_draft_tokens[row]
         self.end = int(spec.cu_num_sampled_tokens[row])
         self.start = self.end - n - 1
         first = int(spec.cu_num_draft_tokens[row]) - n
         self.drafts = spec.draft_token_ids[first:first + n].tolist()
         self.output = list(request.output_token_ids)
-        self.stop_ids = tuple(sorted(self.params.all_stop_token_ids))
+        stops = tuple(sorted(self.params.all_stop_token_ids))
+        self.root = NodeState(self.output, len(self.output), stops, stops, self.params.min_tokens)
+
+
+def chain_tree(scores: torch.Tensor, drafts: list[int], root):
+    """A draft chain as the tree it is: one child per node."""
+    from .verified import VerifiedTree
+
+    return VerifiedTree(scores, drafts, list(range(-1, len(drafts) - 1)), root)
 
 
 def target_distributions(metadata, logits: torch.Tensor, chains: list[Chain]) -> list[tuple[torch.Tensor, ...]]:
-    """Per chain (scores, q) on the CPU, one row per chain position: the logits with vLLM's penalties (over the
-    request's output and the drafts before each position), allowed ids and min_tokens applied — what Filtered
-    ranks — and the distribution vLLM samples from there (temperature, top-k, top-p; one-hot at the argmax when
-    greedy). All chains' positions at once, as vLLM's own sampler does them."""
+    """Per chain (scores, q) on the logits' device, one row per chain position: the logits with vLLM's penalties
+    (over the request's output and the drafts before each position), allowed ids and min_tokens (the sampler's own
+    mask, decoder.sampling.Positions) applied — what Filtered ranks — and the distribution vLLM samples from there
+    (temperature, top-k, top-p; one-hot at the argmax when greedy). All chains' positions at once, as vLLM's own
+    sampler does them."""
     from vllm.v1.sample.ops.penalties import apply_all_penalties
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
@@ -316,12 +330,8 @@ def target_distributions(metadata, logits: torch.Tensor, chains: list[Chain]) ->
                                      [c.output + c.drafts[:j] for c in chains for j in range(c.end - c.start)])
     if metadata.allowed_token_ids_mask is not None:
         scores.masked_fill_(metadata.allowed_token_ids_mask[owner], float("-inf"))
-    position = 0
-    for c, size in zip(chains, sizes):
-        for j in range(size):
-            if c.stop_ids and len(c.output) + j < c.params.min_tokens:
-                scores[position + j, list(c.stop_ids)] = float("-inf")
-        position += size
+    scores = torch.cat([chain_tree(part, c.drafts, c.root).positions.mask(part)
+                        for c, part in zip(chains, scores.split(sizes))])
     temperature = torch.tensor([c.params.temperature for c in chains]).repeat_interleave(torch.tensor(sizes))
     greedy = temperature < 1e-5  # vLLM's greedy
     warped = scores / torch.where(greedy, 1.0, temperature).to(scores.device)[:, None]
@@ -331,34 +341,15 @@ def target_distributions(metadata, logits: torch.Tensor, chains: list[Chain]) ->
     if bool(greedy.any()):
         onehot = torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float()
         q = torch.where(greedy.to(q.device)[:, None], onehot, q)
-    return list(zip(scores.cpu().split(sizes), q.cpu().split(sizes)))
+    return list(zip(scores.split(sizes), q.split(sizes)))
 
 
-def walk_chain(rule: Rule, scores: torch.Tensor, q: torch.Tensor, drafts: list[int], generated: list[int],
-               stop_ids: tuple[int, ...], generator: torch.Generator, groups=None) -> list[int]:
-    """The tokens emitted along one draft chain: at position j the rule decides on drafts[j] (decoder.policies'
-    rule functions, as the Hugging Face tree walk calls them with a node's children); a rejected draft ends the
-    chain with the rule's token, an accepted stop ends it, and past the last draft the target's own draw follows."""
-    from . import policies
+def chain_tokens(policy, scores: torch.Tensor, q: torch.Tensor, drafts: list[int], root) -> list[int]:
+    """The tokens `policy` emits along one draft chain (scores and q one row per position, root the view at its
+    first): the tree walk itself, on a tree with one child per node. A rejected draft ends the chain with the
+    rule's token, an accepted stop ends it, and past the last draft the target's own draw follows."""
+    from .verified import Rows
 
-    emitted: list[int] = []
-    options = rule.options
-    for j in range(len(drafts) + 1):
-        child = drafts[j:j + 1]
-        if not child:  # past the chain: the sampler's own draw, as with no draft
-            pick, token = None, int(torch.multinomial(q[j], 1, generator=generator))
-        elif rule.policy == "filtered":
-            token = int(torch.multinomial(q[j], 1, generator=generator))
-            pick, token = policies.filtered_choice(token, scores[j], child, generated + emitted, stop_ids,
-                                                   options["tau"], options["win_size"], options["tau_r"])
-        elif rule.policy == "tolerance":
-            pick, token = policies.tolerance_choice(q[j], child, stop_ids, options["beta"], generator)
-        elif rule.policy == "similarity":
-            token = int(torch.multinomial(q[j], 1, generator=generator))
-            pick, token = policies.similarity_choice(token, child, stop_ids, groups)
-        else:
-            pick, token, _ = policies.group_rejection(q[j], child, stop_ids, groups, generator)
-        emitted.append(token)
-        if pick is None or token in stop_ids:
-            break
-    return emitted
+    tree = chain_tree(scores, drafts, root)
+    path, bonus = policy.walk(tree, Rows(tree, policy.generator, q=q, scores=scores))
+    return [drafts[i] for i in path] + ([] if bonus is None else [bonus])

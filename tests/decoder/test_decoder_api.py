@@ -49,7 +49,9 @@ def test_hf_custom_generate_sampling_is_seeded(model):
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, top_k=8, temperature=0.8, max_new_tokens=16,
                   pad_token_id=0, custom_generate=hf_generate, retriever=PromptLookup())
     a, b = model.generate(ids, seed=3, **kwargs), model.generate(ids, seed=3, **kwargs)
-    assert torch.equal(a, b) and a.shape == (1, 8 + 16)
+    # 16 new tokens, or fewer ending at the eos (which Hugging Face's own sampling draws within 16 tokens about a
+    # third of the time on this model)
+    assert torch.equal(a, b) and (a.shape == (1, 8 + 16) or int(a[0, -1]) == model.generation_config.eos_token_id)
 
 
 class OutOfRange:

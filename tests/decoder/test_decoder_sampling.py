@@ -113,11 +113,9 @@ def test_speculative_sampling_keeps_the_autoregressive_distribution(kind):
 
 def verified(logits, sequences, history=(), stops=()):
     tree = CandidateTree.from_sequences(sequences, max_nodes=32, max_depth=4)
-    children = [tree.children(i).tolist() for i in range(-1, len(tree))]
     tokens = tree.tokens.tolist()
     rows = torch.stack([logits] * (len(tree) + 1))
-    st = lambda path: state(list(history) + [tokens[i] for i in path], stops=stops)  # noqa: E731
-    return VerifiedTree(rows, tokens, children, st), tokens
+    return VerifiedTree(rows, tokens, tree.parents, state(history, stops=stops)), tokens
 
 
 def test_filtered_honours_tau_and_the_repetition_rule():

@@ -17,18 +17,18 @@ class LogitsRecord:
 
 
 def record_logits(policy) -> LogitsRecord:
-    """Make `policy` keep the logits row behind each token it emits (one `choose` call per emitted token,
+    """Make `policy` keep the logits row behind each token it emits (one `decide` call per emitted token,
     in order: the prefill's row first) in the record returned."""
     record = LogitsRecord()
-    choose = policy.choose
+    decide = policy.decide
 
-    def recording(logits, child_tokens, state):
+    def recording(rows, node, child_tokens, path):
         start = time.perf_counter()
-        record.rows.append(logits.detach().clone())
+        record.rows.append(rows.tree.logits[node + 1].detach().float().cpu())
         record.seconds += time.perf_counter() - start
-        return choose(logits, child_tokens, state)
+        return decide(rows, node, child_tokens, path)
 
-    policy.choose = recording  # an instance attribute: Policy.walk's self.choose finds it first
+    policy.decide = recording  # an instance attribute: Policy.walk's self.decide finds it first
     return record
 
 

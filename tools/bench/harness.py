@@ -68,6 +68,8 @@ class Run:
     logits: list | None = None  # with record_logits: the logits row behind each token emitted
     budget: dict | None = None  # "auto" (an adaptive budget): each cap's measured rate at the end of the utterance
     caps: list[int] | None = None  # "auto": the cap each step ran
+    forward_seconds: float | None = None  # echospec's: the target's forwards (to a GPU's synchronisation)
+    accept_seconds: float | None = None  # echospec's: the policy's walks (its batched pass and decisions)
 
     @property
     def time_per_token(self) -> float:
@@ -167,7 +169,8 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
         stats = result.stats
         seconds = stats.wall_seconds - (record.seconds if record else 0.0)
         return Run(result.tokens, stats.target_forwards, seconds, stats.accepted_lengths, stats.node_budgets,
-                   record.rows if record else None, stats.budget, stats.node_caps if auto else None)
+                   record.rows if record else None, stats.budget, stats.node_caps if auto else None,
+                   stats.forward_seconds, stats.accept_seconds)
     return run
 
 

@@ -44,6 +44,12 @@ def summarise(systems: list[System], rows: dict, token_rate: float) -> dict:
             "log_likelihood": bootstrap_ci([r["log_likelihood"] for r in runs]).to_dict(),
             "accepted_lengths": np.bincount(system.accepted).tolist() if system.accepted else [],
         }
+        if all(r.get("accept_seconds") is not None for r in runs):
+            seconds = sum(r["seconds"] for r in runs)
+            entry["accept_share"] = sum(r["accept_seconds"] for r in runs) / max(seconds, 1e-12)
+            # what a step costs beyond its forward: the retriever, the mask, the walk, the cache's compaction
+            entry["step_overhead_ms"] = 1e3 * (seconds - sum(r["forward_seconds"] for r in runs)) / max(
+                sum(r["forwards"] for r in runs), 1)
         mel = [r["mel_distortion"] for r in runs if r["mel_distortion"] is not None]
         entry["mel_distortion"] = bootstrap_ci(mel).to_dict() if mel else None
         if system.baseline != system.name:  # quality change against the baseline, paired by utterance

@@ -221,6 +221,7 @@ def decode(systems: list[System], inputs: Loaded, curve, *, rounds: int, seed: i
                 "prompt": prompt.id, "round": round_, "tokens": run.tokens, "new_tokens": len(run.tokens),
                 "forwards": run.forwards,
                 "seconds": run.seconds, "time_per_token": run.time_per_token,
+                "forward_seconds": run.forward_seconds, "accept_seconds": run.accept_seconds,
                 # the prefill, then each step's forward in one-token-step units of this machine's curve
                 "forward_cost": (None if run.tree_sizes is None
                                  else 1 + float(np.sum(curve.time(run.tree_sizes))) / curve.seconds[0]),

@@ -5,6 +5,7 @@ benchmarks themselves live in `support/`
 indexes them). They are not in the wheel: run them from a checkout (installed with
 `pip install -e`) as `python -m echospec.tools.benchmarks.NAME --help`.
 
+    acceptance_share    the acceptance walk's share of decode time per policy, on the sample (any tree's code)
     auto_replay         the adaptive node budget replayed on recorded decode steps against every fixed cap
     bench_ingest        reading a corpus: the batch readers against the per-utterance readers of a baseline
     bench_pages         proposals from a cold page cache: pages read and mapped, what a miss costs

@@ -8,8 +8,10 @@ one-token step, with 250 tokens cached) of the shipped sample model and of a Cos
 on), then builds the sample's stores and runs `echospec bench` on the device in that dtype: autoregressive
 decoding against every policy with the "auto" budget (AdaptiveBudget), and the lossless policies at fixed 16 and 64
 nodes too — tokens per forward and wall-clock speed-up per policy, identity with autoregressive decoding and
-the logit gaps where it differs. Writes gpu_check.json and gpu_check.png under --out, the bench's own
-report under --out/bench. CI runs it on the CPU with --tiny (a small stand-in for the 0.5B shape, 2 prompts).
+the logit gaps where it differs, and what each step costs beyond its forward (`step_overhead_ms`: the retriever,
+the tree mask, the policy's walk and the cache's compaction) with the walk's share of the decode (`accept_share`).
+Writes gpu_check.json and gpu_check.png under --out, the bench's own report under --out/bench. CI runs it on the
+CPU with --tiny (a small stand-in for the 0.5B shape, 2 prompts).
 """
 
 from __future__ import annotations
@@ -64,8 +66,11 @@ def gpu_check(device: str = "cuda", dtype: str = "bfloat16", out_dir="runs/gpu-c
                              max_new_tokens=40 if tiny else max_new_tokens, out_dir=out / "bench", progress=False,
                              scoring=Scoring(SAMPLE_TOKENIZER if mel else None)))
     echo(format_table(result))
+    echo("per step beyond its forward (retriever, mask, walk, cache): " + ", ".join(
+        f"{name} {s['step_overhead_ms']:.2f} ms (walk {100 * s['accept_share']:.1f}%)"
+        for name, s in result["systems"].items() if "step_overhead_ms" in s))
     keep = ("tokens_per_forward", "speedup", "forward_cost_speedup", "time_per_token_ms", "identical_to_baseline",
-            "divergences")
+            "divergences", "step_overhead_ms", "accept_share")
     report["bench"] = {name: {k: s[k] for k in keep if k in s} for name, s in result["systems"].items()}
     report["auto_budgets"] = result["auto_budgets"]
     report["seconds"] = time.perf_counter() - started
