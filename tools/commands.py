@@ -20,7 +20,7 @@ from .audio import QUALITY_MODULES, quality_missing
 EXTRAS = {
     "decoder": ("torch", "transformers", "safetensors"),
     "service": ("fastapi", "uvicorn", "httptools", "prometheus_client"),
-    "bench": ("torch", "transformers", "safetensors", "matplotlib"),
+    "bench": ("torch", "transformers", "safetensors", "matplotlib", "espeakng_loader"),
     "quality": QUALITY_MODULES,
 }
 """The modules a command imports from each extra of pyproject.toml (import names, not distribution names)."""
@@ -28,12 +28,14 @@ EXTRAS = {
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """What bad input raises: a datastore or corpus error, a ValueError (bad prompts, checkpoints, options,
-    training data), an OSError (a path that cannot be read or written), or make-corpus's missing engine or
-    failed synthesis. Imported when an error is being handled, so no command pays for it at start-up."""
+    training data), an OSError (a path that cannot be read or written), make-corpus's missing engine or
+    failed synthesis, or a missing phoneme front end. Imported when an error is being handled, so no command pays
+    for it at start-up."""
     from ..datastore import DatastoreError
     from .corpus.make_corpus import EngineMissingError, SynthesisError
+    from .corpus.phonemes import FrontEndMissingError
 
-    return (DatastoreError, EngineMissingError, SynthesisError, ValueError, OSError)
+    return (DatastoreError, EngineMissingError, SynthesisError, FrontEndMissingError, ValueError, OSError)
 
 
 def fail_cleanly(command):

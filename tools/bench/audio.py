@@ -69,7 +69,7 @@ def _score_references_then_outputs(report, prompts, speech, setup, cache, pool, 
     jobs, placed = [], []
     damaged = {f"{name}/{DAMAGED}": damage(report["utterances"][name], speech)
                for name, entry in report["systems"].items() if entry["baseline"] == name}
-    for system, rows in report["utterances"].items() | damaged.items():
+    for system, rows in [*report["utterances"].items(), *damaged.items()]:
         for row in rows:
             tokens = tuple(speech.to_local(row["tokens"]))
             reference = embedding.get(row["prompt"])

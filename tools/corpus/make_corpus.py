@@ -249,7 +249,7 @@ def make_corpus(
     n_prompts: int = 120,
     vocab_size: int = 1024,
     mel: MelConfig = SAMPLE_MEL,
-    decoder_context: int = 2,
+    decoder_context: int = 3,
     seed: int = 0,
     jobs: int = 1,
     progress: bool = True,
