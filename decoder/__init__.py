@@ -3,20 +3,20 @@
 Batch size 1 only. Attention implementations: "sdpa" and "eager" (flash/flex attention are refused).
 Needs the decoder extra (torch, transformers); the core install (datastores, retriever) does not.
 
-The names below are imported on first use, not here: the acceptance rules (`policies`, `sampling`) need torch
-and transformers only, so vLLM's plugin (`vllm_acceptance`) can load them where numba must not be loaded yet.
+The names below are imported on first use, not here (torch and transformers are only looked for): the acceptance
+rules (`policies`, `sampling`) need torch and transformers only, so vLLM's plugin (`vllm_acceptance`) can load them
+where numba must not be loaded yet; the registry of policies (`registry`) needs neither.
 """
 
 from importlib import import_module
+from importlib.util import find_spec
 
-try:
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-except ImportError as missing:
-    if missing.name not in ("torch", "transformers"):
-        raise
-    raise ImportError(f"echospec.decoder needs {missing.name}, which is not installed: install the decoder extra: "
-                      f"pip install -e '.[decoder]' in a checkout", name=missing.name) from None
+# found, not imported: the registry of policies (`registry`) is read where torch is not needed yet (the CLI's choices)
+for _needed in ("torch", "transformers"):
+    if find_spec(_needed) is None:
+        raise ImportError(f"echospec.decoder needs {_needed}, which is not installed: install the decoder extra: "
+                          f"pip install -e '.[decoder]' in a checkout", name=_needed)
+del _needed
 
 _LAZY = {
     "NODES": ".budget", "AdaptiveBudget": ".budget", "CapRates": ".budget", "FixedBudget": ".budget",

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import registry
 from .sampling import RAS, NodeState, Sampler, make_generator, mask_blocked
 
 
@@ -95,19 +96,25 @@ def _sampler(policy: str, sampler, default):
 
 
 def filtered_choice(token: int, scores: torch.Tensor, child_tokens: Sequence[int], generated: Sequence[int],
-                    stop_ids: Sequence[int], tau: int, win_size: int, tau_r: float) -> tuple[int | None, int]:
+                    stop_ids: Sequence[int], tau: float, win_size: int, tau_r: float) -> tuple[int | None, int]:
     """Filtered's rule at one position: (index into child_tokens accepted or None, token emitted). `token` is the
     sampler's draw there, emitted unless a draft passes; `scores` the target's logits with blocked ids at -inf;
     `generated` the output before this position. A draft passes when it ranks within the top `tau` of `scores`
     and occurs fewer than win_size * tau_r times in the last `win_size` generated tokens; the likeliest passing
-    draft wins. A drawn stop token is emitted: the end of speech is decided exactly."""
+    draft wins. A drawn stop token is emitted: the end of speech is decided exactly. `tau` below 1 is a share of
+    the probability: a draft passes when the ids likelier than it hold less than `tau` of softmax(scores) (the same
+    meaning on any vocabulary, where a count of ids is not)."""
     if not child_tokens or token in stop_ids:
         return None, token
     recent = list(generated[-win_size:]) if win_size else []
+    mass = torch.softmax(scores, dim=-1) if tau < 1 else None
+
+    def above(draft: int) -> float:  # what ranks above the draft: ids, or (tau < 1) their probability
+        likelier = scores > scores[draft]
+        return int(likelier.sum()) if mass is None else float(mass[likelier].sum())
 
     def passes(draft: int) -> bool:
-        rank = int((scores > scores[draft]).sum())
-        return rank < tau and bool(torch.isfinite(scores[draft])) and recent.count(draft) < win_size * tau_r
+        return above(draft) < tau and bool(torch.isfinite(scores[draft])) and recent.count(draft) < win_size * tau_r
 
     passing = [i for i, t in enumerate(child_tokens) if passes(t)]
     if passing:
@@ -292,11 +299,12 @@ class Filtered(Policy):
 
     exact = False
 
-    def __init__(self, sampler: Sampler | RAS | None = None, *, tau: int = 160, win_size: int = 10,
-                 tau_r: float = 0.1, seed: int | torch.Generator | None = None):
+    def __init__(self, sampler: Sampler | RAS | None = None, *, tau: float = registry.default("filtered"),
+                 win_size: int = 10, tau_r: float = 0.1, seed: int | torch.Generator | None = None):
         super().__init__(seed=seed)
-        if tau < 1:
-            raise ValueError(f"Filtered needs tau >= 1, got {tau}")
+        if not tau > 0:
+            raise ValueError(f"Filtered needs tau > 0 (a count of ids, or below 1 a share of the probability), "
+                             f"got {tau}")
         self.tau, self.win_size, self.tau_r = tau, win_size, tau_r
         self.sampler = _sampler("Filtered", sampler, RAS())
 
@@ -320,7 +328,7 @@ class Tolerance(Policy):
 
     exact = False
 
-    def __init__(self, sampler: Sampler | RAS | None = None, *, beta: float = 0.4,
+    def __init__(self, sampler: Sampler | RAS | None = None, *, beta: float = registry.default("tolerance"),
                  seed: int | torch.Generator | None = None):
         super().__init__(seed=seed)
         if beta < 0:
@@ -352,7 +360,7 @@ class SimilarityGroups(Policy):
 
     exact = False
 
-    def __init__(self, sampler: Sampler | RAS | None = None, *, threshold: float = 0.1,
+    def __init__(self, sampler: Sampler | RAS | None = None, *, threshold: float = registry.default("similarity"),
                  embeddings: torch.Tensor | None = None, seed: int | torch.Generator | None = None):
         super().__init__(seed=seed)
         self.threshold = threshold
