@@ -101,9 +101,21 @@ def default(name: str, path: str = "tree"):
     return RULES[name].defaults[path]
 
 
+def knob(name: str) -> Knob:
+    """The knob called `name` (an old spelling warns, DeprecationWarning); ValueError naming the knobs."""
+    for found in KNOBS.values():
+        if name in found.aliases:
+            warnings.warn(f"knob {name!r} is now {found.name!r}", DeprecationWarning, stacklevel=2)
+            return found
+    if name not in KNOBS:
+        raise ValueError(f"unknown knob {name!r}; choose from "
+                         + ", ".join(f"{k} ({' and '.join(policies_of(k))})" for k in KNOBS))
+    return KNOBS[name]
+
+
 def policies_of(knob: str) -> tuple[str, ...]:
-    """The policies a knob (or a deprecated spelling of one) tunes."""
-    return tuple(name for name, r in RULES.items() if r.knob is not None and knob in (r.knob.name, *r.knob.aliases))
+    """The policies a knob tunes."""
+    return tuple(name for name, r in RULES.items() if r.knob is not None and r.knob.name == knob)
 
 
 def options(name: str, given: dict, path: str = "tree") -> dict:
