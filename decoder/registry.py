@@ -42,7 +42,7 @@ class Knob:
         below = value <= self.low if self.low_open else value < self.low
         if below or value > self.high or math.isnan(value):
             raise ValueError(f"{policy}'s {self.name} must lie in {'(' if self.low_open else '['}{self.low:g}, "
-                             f"{self.high:g}], got {value!r} ({self.means})")
+                             f"{self.high:g}], got {value!r}")
         return value
 
     def parse(self, text: str) -> float | int:
