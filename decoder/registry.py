@@ -108,8 +108,8 @@ def knob(name: str) -> Knob:
             warnings.warn(f"knob {name!r} is now {found.name!r}", DeprecationWarning, stacklevel=2)
             return found
     if name not in KNOBS:
-        raise ValueError(f"unknown knob {name!r}; choose from "
-                         + ", ".join(f"{k} ({' and '.join(policies_of(k))})" for k in KNOBS))
+        raise ValueError(f"unknown knob {name!r}; choose from {', '.join(KNOBS)} ("
+                         + ", ".join(f"{k}: {' and '.join(policies_of(k))}" for k in KNOBS) + ")")
     return KNOBS[name]
 
 
