@@ -57,3 +57,15 @@ def test_a_malformed_or_out_of_bounds_calibration_file_is_refused_in_one_line(tm
         with pytest.raises(ValueError) as raised, warnings.catch_warnings():
             load_relaxed_settings(bad)
         assert "\n" not in str(raised.value)
+
+
+def test_tau_below_one_is_a_share_of_the_probability_on_any_vocabulary():
+    import torch
+
+    from echospec.decoder.policies import filtered_choice
+
+    for vocabulary in (512, 65_536):
+        scores = torch.full((vocabulary,), -30.0)
+        scores[:3] = torch.log(torch.tensor([0.5, 0.3, 0.15]))  # the rest share what is left
+        passes = [filtered_choice(7, scores, [draft], [], (), 0.7, 10, 0.1)[0] == 0 for draft in (0, 1, 2)]
+        assert passes == [True, True, False]  # above the third lie 0.8 of the mass, past the share 0.7
