@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import registry
 from .sampling import RAS, NodeState, Sampler, make_generator
 from .verified import Rows, VerifiedTree
 
@@ -103,19 +104,20 @@ def _sampler(policy: str, sampler, default):
 # policy classes'. ----
 
 
-def filtered_choice(token: int, child_tokens: Sequence[int], child_ranks: Sequence[int],
-                    child_scores: Sequence[float], generated: Sequence[int], stop_ids: Sequence[int], tau: int,
+def filtered_choice(token: int, child_tokens: Sequence[int], child_above: Sequence[float],
+                    child_scores: Sequence[float], generated: Sequence[int], stop_ids: Sequence[int], tau: float,
                     win_size: int, tau_r: float) -> tuple[int | None, int]:
     """Filtered's rule at one position: (index into child_tokens accepted or None, token emitted). `token` is the
-    sampler's draw there, emitted unless a draft passes; each draft's rank (how many ids the target scores higher,
-    blocked ids at -inf) and score there; `generated` the output before this position. A draft passes when it
-    ranks within the top `tau`, is not blocked, and occurs fewer than win_size * tau_r times in the last `win_size`
-    generated tokens; the likeliest passing draft wins. A drawn stop token is emitted: the end of speech is decided
-    exactly."""
+    sampler's draw there, emitted unless a draft passes; each draft's standing (what the target ranks above it: a
+    count of ids for `tau` >= 1, their share of the probability for `tau` < 1, blocked ids at -inf) and score
+    there; `generated` the output before this position. A draft passes when less than `tau` ranks above it, it is
+    not blocked, and it occurs fewer than win_size * tau_r times in the last `win_size` generated tokens; the
+    likeliest passing draft wins. A drawn stop token is emitted: the end of speech is decided exactly. The share
+    means the same on any vocabulary, where a count of ids does not."""
     if not child_tokens or token in stop_ids:
         return None, token
     recent = list(generated[-win_size:]) if win_size else []
-    passing = [i for i, draft in enumerate(child_tokens) if child_ranks[i] < tau and child_scores[i] > -math.inf
+    passing = [i for i, draft in enumerate(child_tokens) if child_above[i] < tau and child_scores[i] > -math.inf
                and recent.count(draft) < win_size * tau_r]
     if passing:
         best = max(passing, key=lambda i: child_scores[i])
@@ -301,11 +303,12 @@ class Filtered(Policy):
 
     exact = False
 
-    def __init__(self, sampler: Sampler | RAS | None = None, *, tau: int = 160, win_size: int = 10,
-                 tau_r: float = 0.1, seed: int | torch.Generator | None = None):
+    def __init__(self, sampler: Sampler | RAS | None = None, *, tau: float = registry.default("filtered"),
+                 win_size: int = 10, tau_r: float = 0.1, seed: int | torch.Generator | None = None):
         super().__init__(seed=seed)
-        if tau < 1:
-            raise ValueError(f"Filtered needs tau >= 1, got {tau}")
+        if not tau > 0:
+            raise ValueError(f"Filtered needs tau > 0 (a count of ids, or below 1 a share of the probability), "
+                             f"got {tau}")
         self.tau, self.win_size, self.tau_r = tau, win_size, tau_r
         self.sampler = _sampler("Filtered", sampler, RAS())
 
@@ -313,9 +316,10 @@ class Filtered(Policy):
         token = rows.draws[node + 1]  # the bonus token, unless a draft passes
         if not child_tokens:
             return None, token
-        ranks, scores = rows.child_ranks
+        ranks, shares, scores = rows.child_standing
+        above = shares if self.tau < 1 else ranks
         kids = rows.tree.children(node)
-        return filtered_choice(token, child_tokens, [ranks[k] for k in kids], [scores[k] for k in kids],
+        return filtered_choice(token, child_tokens, [above[k] for k in kids], [scores[k] for k in kids],
                                rows.tree.generated_at(path), rows.tree.root.stop_ids, self.tau, self.win_size,
                                self.tau_r)
 
@@ -334,7 +338,7 @@ class Tolerance(Policy):
 
     exact = False
 
-    def __init__(self, sampler: Sampler | RAS | None = None, *, beta: float = 0.4,
+    def __init__(self, sampler: Sampler | RAS | None = None, *, beta: float = registry.default("tolerance"),
                  seed: int | torch.Generator | None = None):
         super().__init__(seed=seed)
         if beta < 0:
@@ -366,7 +370,7 @@ class SimilarityGroups(Policy):
 
     exact = False
 
-    def __init__(self, sampler: Sampler | RAS | None = None, *, threshold: float = 0.1,
+    def __init__(self, sampler: Sampler | RAS | None = None, *, threshold: float = registry.default("similarity"),
                  embeddings: torch.Tensor | None = None, seed: int | torch.Generator | None = None):
         super().__init__(seed=seed)
         self.threshold = threshold

@@ -134,12 +134,14 @@ class Rows:
         return self.q[row].cpu()
 
     @cached_property
-    def child_ranks(self) -> tuple[list[int], list[float]]:
-        """(rank, score) of every node's token among its parent row's scores: how many ids score higher there, and
-        its own score (-inf: blocked)."""
+    def child_standing(self) -> tuple[list[int], list[float], list[float]]:
+        """(rank, share, score) of every node's token among its parent row's scores: how many ids score higher
+        there, the probability they hold under softmax(scores), and its own score (-inf: blocked)."""
         tree = self.tree
         if not tree.tokens:
-            return [], []
+            return [], [], []
         parent_rows = self.scores[torch.from_numpy(tree.parents + 1).to(self.scores.device)]
         own = parent_rows.gather(1, torch.tensor(tree.tokens, device=parent_rows.device)[:, None])
-        return (parent_rows > own).sum(-1).tolist(), own[:, 0].tolist()
+        higher = parent_rows > own
+        share = (torch.softmax(parent_rows, dim=-1) * higher).sum(-1)
+        return higher.sum(-1).tolist(), share.tolist(), own[:, 0].tolist()

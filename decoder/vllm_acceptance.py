@@ -3,13 +3,14 @@
 
     from vllm import SamplingParams
     params = SamplingParams(temperature=0.8, top_p=0.8, extra_args={"echospec": {"policy": "filtered", "tau": 40}})
+    # or the setting a calibration file chose: {"policy": "tolerance", "settings": "runs/cal/relaxed_settings.json"}
     # vllm serve: "vllm_xargs": {"echospec": "{\"policy\": \"filtered\", \"tau\": 40}"} (its values are flat: a JSON
     # string of the same object)
 
-Policies: "filtered" (tau, win_size, tau_r), "tolerance" (beta), "similarity" and "pcg" (threshold), with the
-options and defaults of echospec.decoder's Filtered, Tolerance, SimilarityGroups and GroupRejection, whose rule
-functions (decoder/policies.py) decide here too: one implementation for both paths. A request without the option is
-left to vLLM's own sampler, untouched: the patched runner calls vLLM's `_sample` for the whole batch and then
+Policies: "filtered" (tau, win_size, tau_r), "tolerance" (beta), "similarity" and "pcg" (threshold), built by
+echospec.decoder.registry with its defaults for chains (the path "chain"), the options of Filtered, Tolerance,
+SimilarityGroups and GroupRejection, whose rule functions (decoder/policies.py) decide here too: one
+implementation for both paths. A request without the option is left to vLLM's own sampler, untouched: the patched runner calls vLLM's `_sample` for the whole batch and then
 rewrites only the rows of requests that asked. Those rows are sampled here from scratch, position by position along
 the request's draft chain: the target's logits get vLLM's penalties, allowed ids, min_tokens, temperature, top-k and
 top-p (vLLM's own functions), then the rule accepts drafts or emits its token, from the request's own generator
@@ -34,14 +35,15 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from . import registry
+
 log = logging.getLogger("echospec.vllm")
 
 OPTION = "echospec"
 VERSIONS = ((0, 32), (0, 33))
 """vLLM versions the patch was written and tested for: from 0.32 up to, not including, 0.33."""
-POLICIES = {"filtered": "Filtered", "tolerance": "Tolerance", "similarity": "SimilarityGroups",
-            "pcg": "GroupRejection"}
-"""A request's "policy" -> the echospec.decoder class whose options, defaults and rule it takes."""
+POLICIES = registry.RELAXED
+"""A request's "policy": a relaxed rule of echospec.decoder.registry, at the registry's defaults for chains."""
 UNSUPPORTED = ("logprobs", "bad_words", "logit_bias", "min_p")
 """SamplingParams that relaxed rows do not apply (vLLM applies them outside what its rejection sampler sees)."""
 PATCHED = {
@@ -167,22 +169,17 @@ def read_rule(extra_args: dict | None) -> Rule | None:
     if not isinstance(asked, dict) or "policy" not in asked:
         raise ValueError(f'extra_args["echospec"] must be an object with a "policy" ({", ".join(POLICIES)}) and '
                          f"its options, got {asked!r}")
-    name, given = asked["policy"], {k: v for k, v in asked.items() if k != "policy"}
+    name, given = asked["policy"], {k: v for k, v in asked.items() if k not in ("policy", "settings")}
     if name not in POLICIES:
         raise ValueError(f"unknown echospec policy {name!r}; choose from {', '.join(POLICIES)}")
-    policy = getattr(import_module("echospec.decoder.policies"), POLICIES[name])
-    defaults = {p.name: p.default for p in inspect.signature(policy.__init__).parameters.values()
-                if p.kind is p.KEYWORD_ONLY and p.name not in ("seed", "embeddings")}
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for echospec policy {name!r}; its options: "
-                         f"{', '.join(f'{k} (default {v})' for k, v in defaults.items()) or 'none'}")
+    if "settings" in asked:  # a calibration file (its path or its content); the request's own options win
+        given = registry.load_relaxed_settings(asked["settings"], path="chain").get(name, {}) | given
     for key, value in given.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"echospec option {key!r} must be a number, got {value!r}")
-    options = {**defaults, **given}
-    policy(**options)  # the class's own checks (Filtered: tau >= 1; Tolerance: beta >= 0)
-    return Rule(name, options)
+    registry.make_policy(name, path="chain", **given)  # the registry's and the class's own checks
+    defaults = {k: v for k, v in registry.keyword_options(name).items() if k != "embeddings"}
+    return Rule(name, defaults | registry.options(name, given, path="chain"))
 
 
 def check_request(params) -> None:

@@ -101,6 +101,35 @@ class OldSpellings(click.Option):
             self.opts = names
 
 
+class KnobValue(click.ParamType):
+    """A relaxed rule's knob value (decoder.registry): a number within the knob's bounds, an integer where written
+    as one."""
+
+    def __init__(self, knob, policy: str):
+        self.knob, self.policy, self.name = knob, policy, knob.name
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        try:
+            return self.knob.check(self.policy, self.knob.parse(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def knob_options(command):
+    """--tau, --beta, --threshold (old spellings, e.g. --similarity, still accepted): one per knob of
+    decoder.registry, each None unless given (the registry's default)."""
+    from ..decoder import registry
+
+    for knob in reversed(registry.KNOBS.values()):
+        policies = " and ".join(registry.policies_of(knob.name))
+        command = click.option(f"--{knob.name}", *(f"--{alias}" for alias in knob.aliases), knob.name,
+                               cls=OldSpellings, type=KnobValue(knob, policies), show_default="the registry's",
+                               help=f"{policies}'s knob: {knob.means.partition(': ')[2]}.")(command)
+    return command
+
+
 def dtype_option(default: str = "float32", help: str = "Precision the model runs in."):
     """--dtype: float32, bfloat16 or float16."""
     from .bench.harness import DTYPES

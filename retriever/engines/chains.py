@@ -68,7 +68,10 @@ class ChainDrafter:
     speaker      "auto" (choose from the prompt, see SpeakerChoice), None (the general store alone) or a
                  speaker's name (every row)
     speaker_tokens, min_speech   SpeakerChoice's
-    step_timeout seconds a step may spend proposing; rows not served by then get no draft
+    step_timeout seconds a step may spend proposing; rows not served by then get no draft. None: no deadline,
+                 every row is drafted every step, so its chain depends on its history alone and not on the
+                 machine's load (what a relaxed rule's output needs to be reproducible; a slow store then slows
+                 the step instead)
     context      most recent speech tokens given to the retriever
     speech_offset  model id of store-local id 0 (default: the store's, from its catalog)
     memory       what is kept of the requests between calls: NullMemory() (default, nothing) or RequestMemory()
@@ -76,12 +79,13 @@ class ChainDrafter:
 
     def __init__(self, retriever, k: int = 8, token_cost: float = TOKEN_COST, speaker: str | None = "auto",
                  speaker_tokens: Mapping[str, Sequence[int]] | None = None, min_speech: int = 16,
-                 step_timeout: float = 0.05, context: int = 4096, speech_offset: int | None = None,
+                 step_timeout: float | None = 0.05, context: int = 4096, speech_offset: int | None = None,
                  max_nodes: int | None = None, memory: NullMemory | RequestMemory | None = None):
-        if k < 1 or not 0 <= token_cost < 1 or step_timeout <= 0 or context < 1:
-            raise ValueError("need k >= 1, 0 <= token_cost < 1, step_timeout > 0 and context >= 1")
+        if k < 1 or not 0 <= token_cost < 1 or (step_timeout is not None and step_timeout <= 0) or context < 1:
+            raise ValueError("need k >= 1, 0 <= token_cost < 1, step_timeout > 0 (or None) and context >= 1")
         self.retriever, self.k, self.token_cost = retriever, int(k), float(token_cost)
-        self.step_timeout, self.context, self.max_nodes = float(step_timeout), int(context), max_nodes
+        self.step_timeout = None if step_timeout is None else float(step_timeout)
+        self.context, self.max_nodes = int(context), max_nodes
         vocabulary = store_vocabulary(retriever)
         self.offset = vocabulary["speech_offset"] if speech_offset is None else int(speech_offset)
         self.vocab_size = int(vocabulary["size"])
@@ -115,7 +119,7 @@ class ChainDrafter:
             requests.append(request)
         drafts: list[list[int]] = [[] for _ in histories]
         # the clock starts after the speaker choices: a new request's is made once, and must not starve its step
-        deadline = time.perf_counter() + self.step_timeout
+        deadline = None if self.step_timeout is None else time.perf_counter() + self.step_timeout
         trees = self._propose_rows(contexts, [r.speaker for r in requests], self.k, deadline)
         for (i, history), request, tree in zip(rows, requests, trees):
             chain = np.zeros(0, np.int64)

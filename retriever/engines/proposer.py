@@ -27,7 +27,7 @@ from ...datastore.store import ACCESS, open_datastore
 from ..client.remote import RemoteRetriever
 from ..retriever import Retriever
 from .chains import DRAFT_WEIGHTS, TOKEN_COST, ChainDrafter
-from .memory import RequestMemory
+from .memory import NullMemory, RequestMemory
 
 log = logging.getLogger("echospec.vllm")
 
@@ -41,6 +41,9 @@ OPTIONS = {
     "min_speech": "a prompt needs this many speech tokens to choose a speaker by them (default 16)",
     "token_cost": f"a draft token's verification cost in steps; chains keep nodes with p above it (default {TOKEN_COST})",
     "step_timeout": "seconds one step may spend drafting; rows not served by then get none (default 0.05)",
+    "reproducible": "true: no step_timeout and no memory of earlier requests, so each row's drafts depend on its "
+                    "history alone, not on the machine's load or on what ran before: what a seeded request under a "
+                    "relaxed rule needs to give the same speech (with store; default false)",
     "speech_offset": "model id of the store's speech id 0 (default: the store's own, from its catalog)",
     "max_nodes": "the retriever's node budget per tree (default: the store's)",
     "access": 'how the store reads from disk (with store): "auto" (default), "random", "stream" or "readahead", as '
@@ -139,6 +142,9 @@ def read_options(additional_config) -> dict:
         raise ValueError('"weights" applies to an in-process store; a service uses `echospec serve --weights`')
     if "access" in options and "url" in options:
         raise ValueError('"access" applies to an in-process store; a service uses `echospec serve --access`')
+    if options.get("reproducible") and ("url" in options or "step_timeout" in options):
+        raise ValueError('"reproducible" needs an in-process "store" (a service answers within its timeout) and no '
+                         '"step_timeout" (it has none)')
     if options.get("access", "auto") not in ACCESS:
         raise ValueError(f'"access" must be one of {", ".join(ACCESS)}, got {options["access"]!r}')
     return options
@@ -154,6 +160,8 @@ def make_drafter(options: dict, k: int) -> ChainDrafter:
         retriever = Retriever(store, weights=tuple(options.get("weights", DRAFT_WEIGHTS)))
     settings = {key: options[key] for key in ("speaker", "speaker_tokens", "min_speech", "token_cost",
                                                "step_timeout", "speech_offset", "max_nodes") if key in options}
+    if options.get("reproducible"):
+        return ChainDrafter(retriever, k=k, step_timeout=None, memory=NullMemory(), **settings)
     return ChainDrafter(retriever, k=k, memory=RequestMemory(), **settings)
 
 

@@ -78,7 +78,8 @@ def test_policies_take_their_sampler_by_position_and_the_rest_by_keyword():
 
 
 def test_the_decoder_names_its_extra_where_torch_is_missing():
-    blocked = "import sys; sys.modules['torch'] = None\ntry:\n    import echospec.decoder\nexcept ImportError as e:\n" \
+    blocked = "import sys; sys.modules['torch'] = None\nimport echospec.decoder.registry\ntry:\n" \
+              "    from echospec.decoder import generate\nexcept ImportError as e:\n" \
               "    print(e)\n    sys.exit(3)"
     result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
     assert result.returncode == 3, result.stderr

@@ -175,8 +175,8 @@ def test_a_bad_option_is_a_clear_error_for_its_request(replica, fixed):
     _, _, prompts = replica
     patched, _ = fixed
     for bad, message in [({"policy": "typical"}, "unknown echospec policy 'typical'"),
-                         ({"policy": "filtered", "beta": 0.3}, "unknown option(s) ['beta'] for echospec policy"),
-                         ({"policy": "tolerance", "beta": -1}, "Tolerance needs beta >= 0")]:
+                         ({"policy": "filtered", "beta": 0.3}, "unknown option(s) beta for policy 'filtered'"),
+                         ({"policy": "tolerance", "beta": -1}, "tolerance's beta must lie in [0, 1], got -1")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             vllm_acceptance.read_rule({"echospec": bad})
     with pytest.raises(EngineError, match=r"unknown echospec policy 'typical'"):  # through vLLM's request check

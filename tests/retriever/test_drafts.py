@@ -237,6 +237,33 @@ def test_a_frozen_or_silent_service_costs_a_timeout_not_the_step(built):
         listener.close()
 
 
+class SlowRetriever:
+    """A retriever whose every tree takes `seconds`: a loaded machine."""
+
+    def __init__(self, retriever, seconds):
+        self.retriever, self.seconds = retriever, seconds
+
+    def __getattr__(self, name):
+        return getattr(self.retriever, name)
+
+    def propose(self, *args):
+        time.sleep(self.seconds)
+        return self.retriever.propose(*args)
+
+
+def test_without_a_deadline_a_loaded_machine_drafts_every_row_as_an_idle_one(built, retriever):
+    _, corpus = built
+    histories = [np.array(u["tokens"][:40]) for u in corpus[:4]]
+    idle = ChainDrafter(retriever, k=8, speaker=None).propose(histories)
+    loaded = SlowRetriever(retriever, 0.02)
+    assert ChainDrafter(loaded, k=8, speaker=None, step_timeout=None).propose(histories) == idle and all(idle)
+    assert ChainDrafter(loaded, k=8, speaker=None, step_timeout=0.01).propose(histories)[1:] == [[]] * 3
+    pinned = make_drafter(read_options({"echospec": {"store": str(built[0]), "reproducible": True}}), 8)
+    assert pinned.step_timeout is None and isinstance(pinned.memory, NullMemory)
+    with pytest.raises(ValueError, match="in-process"):
+        read_options({"echospec": {"store": str(built[0]), "reproducible": True, "step_timeout": 1.0}})
+
+
 def test_bad_settings_are_refused(retriever):
     with pytest.raises(ValueError, match="unknown speaker"):
         ChainDrafter(retriever, speaker="nobody")

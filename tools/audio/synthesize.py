@@ -11,22 +11,25 @@ from .vocoder import load_vocoder, write_wav
 
 def synthesize(text: str, speaker: str, wav, *, policy: str = "exact-sampling", store=None,
                checkpoint=SAMPLE_MODEL_DIR, vocoder=None, tokenizer=None, seed: int = 0, max_new_tokens: int = 400,
-               max_nodes: int | None = None, threads: int = 1) -> dict:
+               max_nodes: int | None = None, threads: int = 1, settings=None) -> dict:
     """Speak `text` in `speaker`'s voice with `checkpoint` (an echospec TTS checkpoint: `echospec_tts.json` beside
-    the weights) under `policy` (a bench policy name, with its class's defaults), drafting from `store`
+    the weights) under `policy` (a name of decoder.registry, at the registry's defaults or at `settings`': a
+    calibration file `echospec bench --sweep` wrote, or its content), drafting from `store`
     (None: autoregressive steps), and write the audio to `wav` through `vocoder` (a callable or "module:callable";
     default the k-means stand-in of `tokenizer`, the sample's for the sample model). Returns the speech tokens and
     the speed: tokens, seconds, tokens per forward, LM real-time factor, audio seconds."""
     import torch
 
-    from ...decoder import generate
-    from ..bench.harness import RelaxedSettings, make_policy
+    from ...decoder import RAS, generate
+    from ...decoder.registry import load_relaxed_settings, make_policy
     from ..bench.load import load_model, speech_vocab
     from ..corpus.tts_prompt import encode_prompt
 
     torch.set_num_threads(threads)
     if tokenizer is None and vocoder is None and Path(checkpoint).resolve() == SAMPLE_MODEL_DIR.resolve():
         tokenizer = SAMPLE_TOKENIZER
+    chosen = load_relaxed_settings(settings, model=checkpoint).get(policy, {}) if settings is not None else {}
+    chosen = make_policy(policy, RAS(), seed=seed, **chosen)  # before loading: a bad name or file fails first
     speak = load_vocoder(vocoder, tokenizer)  # before decoding: a bad vocoder fails before the work
     model, meta = load_model(checkpoint)
     if meta is None:
@@ -38,7 +41,6 @@ def synthesize(text: str, speaker: str, wav, *, policy: str = "exact-sampling", 
 
         retriever = Retriever(store)
     speech = speech_vocab(meta, None, model)
-    chosen = make_policy(policy, seed, RelaxedSettings())
     options = {} if max_nodes is None else {"max_nodes": max_nodes}
     result = generate(model, retriever, input_ids=encode_prompt(meta, text, speaker), policy=chosen, speech=speech,
                       speaker=speaker if retriever is not None else None, max_new_tokens=max_new_tokens,

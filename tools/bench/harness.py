@@ -7,7 +7,7 @@ docs/benchmarking.md).
 - `warm_up` runs every system once before timing (lazy initialisation, numba compilation, page faults);
   `balanced_order` gives the order of a round (a Williams design): drift on a noisy machine hits all alike,
   and every system follows every other equally often, so what one leaves behind hits all alike too.
-- The relaxed policies' knobs, where given (else each policy class's defaults): `RelaxedSettings`, `make_policy`.
+- The relaxed policies' knobs, where given (else the registry's defaults): `RelaxedSettings`, `make_policy`.
 - `measure_cost_curve`: the model's forward time against tree size on this machine.
 - `copying_grouped_heads`: sessions made within run tree forwards as transformers does by default (`decoder.gqa`).
 - `pin_threads` pins a run's thread pools (and its child processes'); `save_figure` writes a plot atomically.
@@ -20,13 +20,14 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from ...datastore.files import atomic_file
+from ...decoder import registry
 
-POLICIES = ("exact-greedy", "exact-sampling", "filtered", "tolerance", "similarity", "pcg")
+POLICIES = tuple(registry.RULES)
 DTYPES = ("float32", "bfloat16", "float16")
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
@@ -176,37 +177,31 @@ def echospec_run(model, retriever, policy: Callable[[int], object], speech, *, s
 
 @dataclass(frozen=True)
 class RelaxedSettings:
-    """The relaxed policies' knobs a run sets; None leaves the policy class's own default, the one place
-    defaults live (decoder/policies.py)."""
+    """The relaxed policies' knobs a run sets (decoder.registry.KNOBS); None leaves the registry's default for the
+    tree path. `similarity` is the old spelling of `threshold`, still accepted."""
 
-    tau: int | None = None  # Filtered: accept drafts within the target's top-tau
+    tau: float | None = None  # Filtered: accept drafts within the target's top tau (below 1: a share of the mass)
     beta: float | None = None  # Tolerance: accept x when r < q(x) + beta
-    similarity: float | None = None  # SimilarityGroups and GroupRejection: cosine threshold of a token's group
+    threshold: float | None = None  # SimilarityGroups and GroupRejection: cosine threshold of a token's group
+    similarity: InitVar[float | None] = None
+
+    def __post_init__(self, similarity):
+        if similarity is not None:
+            object.__setattr__(self, "threshold", similarity)
 
     def knobs(self, policy: str) -> dict:
-        """The keyword arguments of `policy`'s class that this run sets."""
-        given = {"filtered": {"tau": self.tau}, "tolerance": {"beta": self.beta},
-                 "similarity": {"threshold": self.similarity}, "pcg": {"threshold": self.similarity}}.get(policy, {})
-        return {k: v for k, v in given.items() if v is not None}
+        """The keyword arguments of `policy` that this run sets."""
+        knob = registry.rule(policy).knob
+        value = None if knob is None else getattr(self, knob.name)
+        return {} if value is None else {knob.name: value}
 
 
 def make_policy(name: str, seed: int, relaxed: RelaxedSettings, sampler=None):
     """The policy called `name` (one of POLICIES), sampling with `sampler` (default RAS) from `seed` where it
-    samples."""
-    from ...decoder import RAS, ExactGreedy, ExactSampling, Filtered, GroupRejection, SimilarityGroups, Tolerance
+    samples, with the knobs `relaxed` sets (decoder.registry.make_policy)."""
+    from ...decoder import RAS
 
-    sampler = sampler or RAS()
-    factories = {
-        "exact-greedy": lambda: ExactGreedy(),
-        "exact-sampling": lambda: ExactSampling(sampler, seed=seed),
-        "filtered": lambda: Filtered(sampler, seed=seed, **relaxed.knobs("filtered")),
-        "tolerance": lambda: Tolerance(sampler, seed=seed, **relaxed.knobs("tolerance")),
-        "similarity": lambda: SimilarityGroups(sampler, seed=seed, **relaxed.knobs("similarity")),
-        "pcg": lambda: GroupRejection(sampler, seed=seed, **relaxed.knobs("pcg")),
-    }
-    if name not in factories:
-        raise BenchError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
-    return factories[name]()
+    return registry.make_policy(name, sampler or RAS(), seed=seed, **relaxed.knobs(name))
 
 
 def measure_cost_curve(model, speech, input_ids: list[int] | None, sizes=None, repeats: int = 5, *,

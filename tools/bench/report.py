@@ -252,7 +252,7 @@ def write_report(report: dict, out_dir: Path) -> None:
         f.write("```\n" + format_table(report, full=True) + "\n```\n")
     plot(report, out_dir / "bench.png")
     if "frontier" in report:
-        write_frontier(report["frontier"], out_dir)
+        write_frontier(report["frontier"], out_dir, report["setup"])
 
 
 BASELINES = {"autoregressive": ("greedy, against autoregressive", "tab:blue"),

@@ -124,7 +124,7 @@ class BenchSpec:
     system), or None for `generate`'s own default (echospec.decoder.NODES); `sweep_nodes` x `sweep_depths` adds
     one system per budget for each of `sweep_policies` (default exact-sampling if benchmarked, else the first
     policy) on the first store. `sweeps` ({"tau": (10, 20), "beta": ..., "threshold": ...}) adds one system per
-    setting of the policies each knob sets (frontier.KNOBS) on the first store, and the frontier. Every prompt is
+    setting of the policies each knob sets (decoder.registry) on the first store, and the frontier. Every prompt is
     decoded `rounds` times, each utterance with seed `seed` + its index; `out_dir` receives the report."""
 
     inputs: Inputs

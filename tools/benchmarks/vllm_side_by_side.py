@@ -4,7 +4,7 @@ from the prompt, and through an `echospec serve` service), on the shipped sample
 prompts, at batch 1, 8 and 32, greedy and sampling, k = 4 and 8. In sampling cells also echospec's relaxed
 acceptance per request (echospec-filtered, -tolerance, -similarity, -pcg: echospec-speaker's engine, the store the
 Hugging Face frontier chose the defaults on, each request with extra_args["echospec"] at the policy classes'
-defaults, or --tau, --beta, --similarity; `echospec-tolerance/beta=0.1` sets one knob for one system, so a sweep
+defaults for chains (decoder.registry), or --tau, --beta, --threshold; `echospec-tolerance/beta=0.1` sets one knob for one system, so a sweep
 runs in one go), with its quality against no speculation's sampling, paired by prompt: the target's
 log-likelihood and the log-mel DTW distortion to the reference, as `echospec bench` computes them, and with the
 quality extra SIM, WER and MOS on audio (the bench's vocoder and scorers, tools/bench/audio; WAVs under
@@ -45,14 +45,14 @@ from pathlib import Path
 import click
 import numpy as np
 
+from ...decoder import registry  # names only, light
+from ..commands import knob_options
 from ..corpus import SAMPLE_DIR, SAMPLE_MODEL_DIR  # paths only: numba must not load before vLLM (vllm_engines)
 from .support.vllm_engines import Engine, tokens_per_step
 from .support.vllm_quality import quality_change, score_on_audio, score_tokens
 
-SYSTEMS = ("none", "ngram", "suffix", "echospec-general", "echospec-speaker", "echospec-service",
-           "echospec-filtered", "echospec-tolerance", "echospec-similarity", "echospec-pcg")
-RELAXED = {"echospec-filtered": "filtered", "echospec-tolerance": "tolerance", "echospec-similarity": "similarity",
-           "echospec-pcg": "pcg"}
+RELAXED = {f"echospec-{name}": name for name in registry.RELAXED}
+SYSTEMS = ("none", "ngram", "suffix", "echospec-general", "echospec-speaker", "echospec-service", *RELAXED)
 """Systems that are echospec-speaker's engine with each request asking for a relaxed rule (decoder/vllm_acceptance),
 in sampling cells only; `echospec-filtered/tau=40` is one with a knob of its own."""
 PROPOSER = "echospec.retriever.vllm_proposer.EchospecProposer"
@@ -366,15 +366,12 @@ def write_report(out: Path, summary: list[dict], replay: dict | None, rounds: in
               help="The checkpoint's tokenizer.npz, for the sampling cells' log-mel distortion.")
 @click.option("--token-cost", type=float, default=None, show_default="the proposer's",
               help="echospec's token_cost: a chain keeps nodes whose probability is above it.")
-@click.option("--tau", type=click.IntRange(1), show_default="Filtered's own", help="echospec-filtered's top-tau.")
-@click.option("--beta", type=click.FloatRange(0, 1), show_default="Tolerance's own", help="echospec-tolerance's beta.")
-@click.option("--similarity", type=click.FloatRange(-1, 1), show_default="the policy class's own",
-              help="echospec-similarity's and echospec-pcg's cosine threshold.")
+@knob_options
 @click.option("--audio/--no-audio", default=None, show_default="where the quality extra is installed",
               help="Score the sampling cells' outputs on audio too: SIM, WER, MOS (a few minutes).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="runs/vllm", show_default=True)
 def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, tokenizer_path, token_cost, tau, beta,
-         similarity, audio, out_dir):
+         threshold, audio, out_dir):
     from ..corpus.tts_prompt import TTSMeta, encode_prompt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -397,7 +394,7 @@ def main(model_dir, store_dir, batches, ks, modes, systems, rounds, max_tokens, 
         if unknown:
             raise click.UsageError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)} "
                                    "(a relaxed one may set a knob: echospec-filtered/tau=40)")
-        rules = relaxed_rules(RelaxedSettings(tau=tau, beta=beta, similarity=similarity), systems)
+        rules = relaxed_rules(RelaxedSettings(tau=tau, beta=beta, threshold=threshold), systems)
     except ValueError as e:
         raise click.UsageError(f"--systems: {e}") from None
     store = Path(store_dir) if store_dir else out / "voices"  # built once the options are known to be good
@@ -468,7 +465,7 @@ def relaxed_policy(system: str) -> str | None:
 def relaxed_rules(settings, systems=RELAXED) -> dict[str, dict]:
     """Each relaxed system's extra_args["echospec"], every option spelled out: the system's own knob
     (`echospec-tolerance/beta=0.1`), else the knobs `settings` sets (RelaxedSettings, as `echospec bench` takes
-    them), the rest the policy class's own defaults, resolved by the plugin's own reading of a request (read_rule),
+    them), the rest the registry's defaults for chains, resolved by the plugin's own reading of a request (read_rule),
     so the report says what ran. ValueError names a knob the policy does not have."""
     from echospec.decoder.vllm_acceptance import read_rule
 

@@ -6,8 +6,8 @@ import click
 
 from ...retriever.tree import MAX_DEPTH
 from ..bench.harness import POLICIES
-from ..commands import (OldSpellings, audio_options, device_option, dtype_option, fail_cleanly, limit_option,
-                        needs_extra, out_option, scoring, threads_option)
+from ..commands import (OldSpellings, audio_options, device_option, dtype_option, fail_cleanly, knob_options,
+                        limit_option, needs_extra, out_option, scoring, threads_option)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -61,13 +61,11 @@ full_option = click.option("--full", is_flag=True, help="Print the full table (e
               help="Seed of the first utterance; each decodes with this plus its index.")
 @dtype_option(help="Precision every system runs in (log-likelihoods are scored in float32).")
 @device_option()
-@click.option("--tau", type=click.IntRange(1), show_default="Filtered's own", help="Filtered: top-tau.")
-@click.option("--beta", type=click.FloatRange(0, 1), show_default="Tolerance's own", help="Tolerance's beta.")
-@click.option("--similarity", type=click.FloatRange(-1, 1), show_default="the policy class's own",
-              help="SimilarityGroups' and GroupRejection's (pcg) cosine threshold.")
+@knob_options
 @click.option("--sweep", "sweeps", multiple=True, metavar="KNOB=V1,V2,...",
               help="A relaxed policy's knob to sweep for the speed-quality frontier (repeatable): tau (filtered), "
-                   "beta (tolerance), threshold (similarity, pcg); writes frontier.md/.json/.png.")
+                   "beta (tolerance), threshold (similarity, pcg); writes frontier.md/.json/.png and the chosen "
+                   "settings to relaxed_settings.json (synthesize --settings, load_relaxed_settings).")
 @audio_options
 @out_option("runs/bench")
 @full_option
@@ -75,7 +73,7 @@ full_option = click.option("--full", is_flag=True, help="Print the full table (e
 @fail_cleanly
 def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_ids, token_rate, tokenizer, policies,
                   sampler, stores, max_nodes, max_depth, sweep_nodes, sweep_depths, sweep_policies, limit, rounds,
-                  max_new_tokens, threads, seed, dtype, device, tau, beta, similarity, sweeps, audio_dir, audio_scores,
+                  max_new_tokens, threads, seed, dtype, device, tau, beta, threshold, sweeps, audio_dir, audio_scores,
                   vocoder, asr, speaker_encoder, mos, scoring_workers, out_dir, full):
     """Compare autoregressive, HF prompt lookup and echospec's policies on CHECKPOINT: an echospec TTS
     checkpoint or any Hugging Face causal LM folder (a model with its own speech head: the Python API,
@@ -105,7 +103,7 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
     inputs = Inputs(checkpoint, store, prompts, limit, speech_offset=speech_offset, vocab_size=vocab_size,
                     stop_ids=stop_ids, token_rate=token_rate, threads=threads, device=device, dtype=dtype)
     spec = BenchSpec(inputs, policies=policies or POLICIES, stores=stores, sampler=sampler,
-                     relaxed=RelaxedSettings(tau, beta, similarity),
+                     relaxed=RelaxedSettings(tau, beta, threshold),
                      max_nodes=max_nodes if max_nodes in (None, "auto") else int(max_nodes), max_depth=max_depth,
                      sweep_nodes=_ints(sweep_nodes), sweep_depths=_ints(sweep_depths), sweep_policies=sweep_policies,
                      sweeps=sweeps, rounds=rounds, max_new_tokens=max_new_tokens, seed=seed, scoring=scored,
@@ -113,7 +111,7 @@ def bench_command(checkpoint, store, prompts, speech_offset, vocab_size, stop_id
     report = bench(spec)
     click.echo(format_table(report, full=full))
     click.echo(f"\nWrote {out_dir}/bench.json, bench.md (the full table) and bench.png"
-               + (", frontier.md, frontier.json and frontier.png" if sweeps else "")
+               + (", frontier.md, frontier.json, frontier.png and relaxed_settings.json" if sweeps else "")
                + (f"; the WAVs under {audio_dir}" if audio_dir else ""))
 
 
