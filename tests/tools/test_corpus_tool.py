@@ -166,7 +166,7 @@ def test_two_sentences_two_voices_end_to_end(tmp_path):
         assert len(set(r["tokens"])) >= 3  # speech, not one constant frame
     assert (tmp_path / "a" / "prompts.jsonl").read_text() == ""
     assert SpeechTokenizer.load(tmp_path / "a" / "tokenizer.npz").vocab_size == 8
-    assert SpeechTokenizer.load(tmp_path / "a" / "tokenizer.npz").decoder.shape == (5, 8, 80)
+    assert SpeechTokenizer.load(tmp_path / "a" / "tokenizer.npz").decoder.shape == (7, 8, 80)
     make_corpus(tmp_path / "b", seed=5, **kwargs)
     for name in ("corpus.jsonl", "tokenizer.npz"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), f"{name} differs for one seed"
