@@ -12,6 +12,7 @@ cannot see a policy lose words either, and says so; the exact policies' rows sho
 
 from __future__ import annotations
 
+import textwrap
 import time
 from pathlib import Path
 
@@ -160,7 +161,7 @@ def resolution_lines(report: dict) -> list[str]:
     for baseline, check in (report.get("resolution") or {}).items():
         change = check["wer_change"]
         if change is None:
-            lines.append(f"  Resolution check ({baseline}): no WER was scored, so the table cannot show a loss of words.")
+            lines.append(f"  Resolution check ({baseline}): no WER was scored: the table cannot show a loss of words.")
             continue
         low, high = (100 * c for c in change["ci95"])
         seen = (f"{100 * change['mean']:+.1f} [{low:+.1f}, {high:+.1f}] points of WER: the table sees a loss of words "
@@ -169,8 +170,9 @@ def resolution_lines(report: dict) -> list[str]:
                 f"ears cannot see a loss of words that size, so read no WER below as evidence either way")
         exact = ", ".join(f"{system} {100 * value:+.1f}" for system, value in check["exact_wer_change"].items()
                           if value is not None)
-        lines.append(f"  Resolution check ({baseline}, {check['damage']}): {seen}"
-                     + (f"; exact policies: {exact}." if exact else "."))
+        lines += textwrap.wrap(f"Resolution check ({baseline}, {check['damage']}): {seen}"
+                               + (f"; exact policies: {exact}." if exact else "."), width=100, initial_indent="  ",
+                               subsequent_indent="    ")
     return lines
 
 
