@@ -8,7 +8,7 @@ set -euo pipefail
 source "$(dirname "$0")/venv.sh"
 venv=.venv-tf451
 make_venv "$venv"
-update_venv "$venv" decoder 'transformers==4.51.3' 'ftfy>=6'
+update_venv "$venv" decoder 'transformers==4.51.3' 'ftfy>=6' 'espeakng-loader>=0.2'  # the sample's phoneme front end
 "$venv/bin/python" -c "import transformers; assert transformers.__version__ == '4.51.3', transformers.__version__"
 exec "$venv/bin/python" -m pytest -q -m "not slow" -p no:cacheprovider \
     tests/decoder/test_decoder_greedy.py tests/decoder/test_decoder_sampling.py tests/decoder/test_attach.py \

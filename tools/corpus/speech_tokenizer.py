@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 
 import faiss
 import numpy as np
-import scipy.sparse
 
 from ...datastore.files import atomic_file
 
@@ -185,19 +184,20 @@ def fit_decoder(tokenizer: SpeechTokenizer, tokens: list[np.ndarray], mels: list
 
     Each frame's normalised log-mel is a sum of one learned vector per (offset, token) in the window t-c..t+c:
     a linear model over one-hot features, solved exactly by ridge regression. The normal equations are built
-    from sparse counts, so the fit costs one dense solve of (2c + 1) * vocabulary unknowns. Deterministic."""
+    from co-occurrence counts, so the fit costs one dense solve of (2c + 1) * vocabulary unknowns. Deterministic."""
     vocab, width = tokenizer.vocab_size, 2 * context + 1
-    rows, cols, start = [], [], 0
-    for sequence in tokens:
-        sequence = np.asarray(sequence, dtype=np.int64)
-        for k, offset in enumerate(_offsets(context)):
-            rows.append(start + np.arange(len(sequence)))
-            cols.append(k * vocab + _shifted(sequence, offset))
-        start += len(sequence)
-    features = scipy.sparse.csr_matrix((np.ones(sum(map(len, rows))), (np.concatenate(rows), np.concatenate(cols))),
-                                       shape=(start, width * vocab))
+    sequences = [np.asarray(sequence, dtype=np.int64) for sequence in tokens]
+    # the token at each window offset, for every frame of every utterance: one column per offset
+    columns = [np.concatenate([_shifted(s, offset) for s in sequences]) for offset in _offsets(context)]
     targets = tokenizer.normalise(np.concatenate(mels)).astype(np.float64)
-    gram = (features.T @ features).toarray() + ridge * np.eye(width * vocab)
-    weights = np.linalg.solve(gram, features.T @ targets)  # the mean is carried by the centre token's rows
+    gram = np.empty((width, vocab, width, vocab))
+    rhs = np.zeros((width, vocab, tokenizer.cfg.n_mels))
+    for k, at_k in enumerate(columns):
+        for j, at_j in enumerate(columns):  # how often token a at offset k meets token b at offset j
+            gram[k, :, j, :] = np.bincount(at_k * vocab + at_j, minlength=vocab * vocab).reshape(vocab, vocab)
+        np.add.at(rhs[k], at_k, targets)
+    gram = gram.reshape(width * vocab, width * vocab) + ridge * np.eye(width * vocab)
+    # the mean is carried by the centre token's rows
+    weights = np.linalg.solve(gram, rhs.reshape(width * vocab, -1))
     decoder = weights.reshape(width, vocab, tokenizer.cfg.n_mels)
     return SpeechTokenizer(tokenizer.centroids, tokenizer.mean, tokenizer.std, tokenizer.cfg, decoder)
