@@ -227,8 +227,7 @@ class RelaxedState:
                 return None
             generator = torch.Generator()
             seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-            policy = getattr(import_module("echospec.decoder.policies"), POLICIES[rule.policy])(
-                seed=generator.manual_seed(seed), **rule.options)
+            policy = registry.policy_class(rule.policy)(seed=generator.manual_seed(seed), **rule.options)
             if "threshold" in rule.options:  # SimilarityGroups and GroupRejection: the model's groups, shared
                 policy.groups = self.token_groups(model, rule.options["threshold"])
             self.requests[req_id] = policy
