@@ -163,33 +163,44 @@ class TokenGroups:
     token whose embedding has cosine similarity >= `threshold` with c's (c itself always included). Cosine is
     symmetric, so u is in c's group exactly when c is in u's: u belongs to len(group(u)) groups.
 
-    `embed` maps ids to embedding rows (the target's LM head, or given embeddings). Groups are found as they
-    are needed and kept on the host, where the rules that read them run: the first search normalises the whole
-    table once (vocabulary x hidden floats).
+    `embed` maps ids to embedding rows (the target's LM head, or given embeddings). The first rule that needs the
+    groups finds them all at once, as (group, member) pairs sorted by group, kept on the host where the rules
+    run: a vocabulary-by-vocabulary cosine pass in row blocks of at most 2**25 cosines, so that PCG's group
+    distribution is then one gather and one scatter over the pairs, not a Python loop over the support.
     """
+
+    BLOCK = 2 ** 25  # cosines a block of rows computes at once (128 MB of float32)
 
     def __init__(self, embed: Callable[[torch.Tensor], torch.Tensor], threshold: float):
         self.embed, self.threshold = embed, threshold
-        self._unit: torch.Tensor | None = None
-        self._members: dict[int, torch.Tensor] = {}
+        self._pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # group, member, bounds
 
     def similarity(self, ids: Sequence[int], token: int) -> torch.Tensor:
         """Cosine similarity of each of `ids` with `token`."""
         vectors = torch.nn.functional.normalize(self.embed(torch.tensor([*ids, token])).float().cpu(), dim=-1)
         return vectors[:-1] @ vectors[-1]
 
+    def pairs(self, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(group, member, bounds): every pair with cos >= threshold, sorted by group then member; group c's
+        members are member[bounds[c]:bounds[c + 1]] (so bounds.diff() is each token's group size)."""
+        if self._pairs is None or len(self._pairs[2]) != vocab_size + 1:
+            unit = torch.nn.functional.normalize(self.embed(torch.arange(vocab_size)).float().cpu(), dim=-1)
+            rows = max(1, self.BLOCK // vocab_size)
+            found = []
+            for start in range(0, vocab_size, rows):
+                near = unit[start:start + rows] @ unit.T >= self.threshold
+                near[torch.arange(len(near)), torch.arange(start, start + len(near))] = True
+                group, member = torch.nonzero(near, as_tuple=True)  # row-major: sorted by group, then member
+                found.append((group + start, member))
+            group, member = (torch.cat(parts) for parts in zip(*found))
+            sizes = torch.bincount(group, minlength=vocab_size)
+            self._pairs = group, member, torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
+        return self._pairs
+
     def members(self, tokens: Sequence[int], vocab_size: int) -> list[torch.Tensor]:
         """The ids in each token's group, ascending."""
-        missing = [t for t in dict.fromkeys(tokens) if t not in self._members]
-        if missing:
-            if self._unit is None or len(self._unit) != vocab_size:
-                self._unit = torch.nn.functional.normalize(self.embed(torch.arange(vocab_size)).float().cpu(),
-                                                           dim=-1)
-            near = (self._unit[missing] @ self._unit.T) >= self.threshold
-            near[torch.arange(len(missing)), missing] = True
-            for token, row in zip(missing, near):
-                self._members[token] = torch.nonzero(row)[:, 0]
-        return [self._members[t] for t in tokens]
+        _, member, bounds = self.pairs(vocab_size)
+        return [member[bounds[t]:bounds[t + 1]] for t in tokens]
 
 
 def similarity_choice(token: int, child_tokens: Sequence[int], stop_ids: Sequence[int],
@@ -208,17 +219,11 @@ def similarity_choice(token: int, child_tokens: Sequence[int], stop_ids: Sequenc
 
 def group_distribution(q: torch.Tensor, groups: TokenGroups) -> tuple[torch.Tensor, torch.Tensor]:
     """PCG's overlap-aware group distribution: each token's probability split evenly over the groups that hold
-    it, p_G(c) = sum over u in group(c) of q(u) / (groups holding u). Returns (p_G, those counts for every token
-    with q > 0, 0 elsewhere). It sums to 1 because u is in exactly len(group(u)) groups (symmetry)."""
-    vocab = len(q)
-    support = torch.nonzero(q > 0)[:, 0]
-    members = groups.members(support.tolist(), vocab)
-    sizes = torch.tensor([m.shape[0] for m in members])  # (shape, not len: this runs over the whole support)
-    counts = torch.zeros(vocab, dtype=q.dtype)
-    counts[support] = sizes.to(q.dtype)
-    p_group = torch.zeros(vocab, dtype=q.dtype)
-    p_group.index_add_(0, torch.cat(members), (q[support] / counts[support]).repeat_interleave(sizes))
-    return p_group, counts
+    it, p_G(c) = sum over u in group(c) of q(u) / (groups holding u). Returns (p_G, those counts for every token).
+    It sums to 1 because u is in exactly len(group(u)) groups (symmetry)."""
+    group, member, bounds = groups.pairs(len(q))
+    counts = bounds.diff().to(q.dtype)
+    return torch.zeros_like(q).index_add_(0, group, (q / counts)[member]), counts
 
 
 def group_rejection(q: torch.Tensor, child_tokens: Sequence[int], stop_ids: Sequence[int], groups: TokenGroups,
@@ -253,7 +258,7 @@ def group_rejection(q: torch.Tensor, child_tokens: Sequence[int], stop_ids: Sequ
         residual = p_group
     group = int(torch.multinomial(residual, 1, generator=generator))
     inside = groups.members([group], vocab)[0]
-    weights = q[inside] / counts[inside].clamp(min=1.0)
+    weights = q[inside] / counts[inside]
     return None, int(inside[torch.multinomial(weights, 1, generator=generator)]), group
 
 
@@ -294,11 +299,11 @@ class Filtered(Policy):
     bonus token is drawn by `sampler`. Trades: the output is no longer distributed as the target's
     sampler — any of the top-`tau` tokens may be emitted regardless of its probability.
 
-    Default tau = 160: the fastest setting of the sample's measured frontier (120 held-out prompts, SIM, WER,
-    MOS, log-likelihood and log-mel DTW paired against autoregressive sampling; docs/results.md) whose every
-    measure stayed inside the baseline's 95% interval: 1.38x there, 0.31 of its 512 speech ids (the paper used
-    512 of CosyVoice 2's 6561, a 0.08 share). tau <= 20 raised the log-likelihood 6-8% (mode-seeking). On another
-    vocabulary, sweep it (`echospec bench --sweep tau=...`).
+    Default tau = 160 (the registry's): on the sample the paired rule refused every setting, and 160 (0.16 of its
+    1024 speech ids; the paper used 512 of CosyVoice 2's 6561) moved the log-likelihood least of those swept,
+    +3.3% [1.5, 5.1] at 1.38x; the share form tau = 0.99 moved it +5.8%, 0.9 +9.3% (mode-seeking;
+    docs/results.md). A count means something else on every vocabulary, a share does not: sweep it on yours
+    (`echospec bench --sweep tau=...`).
     """
 
     exact = False
@@ -331,9 +336,9 @@ class Tolerance(Policy):
     (recursive rejection sampling), and the bonus token is drawn from what is left. With beta = 0 this
     is exact sampling; beta > 0 trades distribution fidelity for acceptance (beta = 1 accepts every draft).
 
-    Default beta = 0.4: the fastest setting of the sample's measured frontier whose every measure stayed inside
-    the baseline's interval (1.36x; docs/results.md); 0.6 and 0.8 were faster but moved the log-likelihood by
-    more than 5%.
+    Default beta = 0.2 (the registry's; 0.1 on vLLM chains): the fastest beta swept on the sample whose
+    log-likelihood change stayed within 5% (1.27x, -1.5% [-3.5, 0.4]); 0.4 ran 1.41x at +5.4% [3.7, 7.1]. The
+    paired rule refused every setting there (docs/results.md).
     """
 
     exact = False
@@ -363,9 +368,9 @@ class SimilarityGroups(Policy):
     Trades: an accepted child may differ from the sampled token, only within its acoustic neighbourhood; the
     groups emitted are not distributed as the target's (GroupRejection's are).
 
-    Default threshold = 0.1: the loosest setting tried on the sample's measured frontier, and the fastest
-    (1.52x; docs/results.md); no measure saw a loss down to it, but the sample's stand-in vocoder and ASR resolve
-    little (WER near 95% even on its reference tokens): re-sweep with your model's own vocoder before relying on it.
+    Default threshold = 0.6 (the registry's): on the sample a group is then 2.1 of 1024 ids on average (132 at
+    0.1), 1.09x at log-likelihood +3.0% [1.6, 4.5]; 0.3 and 0.1 moved it by more than 5% (docs/results.md). A
+    threshold is a cosine on one model's embeddings: measure the group sizes on yours before carrying it over.
     """
 
     exact = False
@@ -405,10 +410,9 @@ class GroupRejection(SimilarityGroups):
     token and this is exact sampling. The end of speech is decided exactly. Where a step has no draft it draws
     the sampler's own token, as autoregressive sampling does.
 
-    No setting earns a default of its own here: on the sample's frontier every threshold from 0.1 to 0.7 kept
-    every measure inside the baseline's interval but ran at 0.78-0.97x autoregressive sampling on a CPU (about 2
-    tokens per forward, each tree forward costing more), so it shares SimilarityGroups' threshold; on a GPU, where
-    a tree costs about a step, measure it.
+    It shares SimilarityGroups' threshold: on the sample's CPU runs it was slower than autoregressive sampling at
+    every threshold swept (about 2 tokens per forward, each tree forward costing 1.2-1.4 steps, and its group
+    work per step); on a GPU, where a tree costs about a step, measure it.
     """
 
     exact = False

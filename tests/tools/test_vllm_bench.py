@@ -9,7 +9,8 @@ import json
 import pytest
 
 from echospec.datastore import build
-from echospec.decoder import Filtered, SimilarityGroups, Tolerance
+from echospec.decoder import Tolerance
+from echospec.decoder.registry import default
 from echospec.tools.bench.harness import RelaxedSettings
 from echospec.tools.benchmarks.support.vllm_quality import score_on_audio
 from echospec.tools.benchmarks.vllm_side_by_side import (main, prompt_pool, relaxed_rules, replay_drafters,
@@ -28,10 +29,11 @@ def test_the_prompt_pool_never_repeats_a_speaker_and_text():
 
 
 def test_relaxed_systems_ask_for_the_policy_defaults_unless_a_knob_is_given():
-    defaults = relaxed_rules(RelaxedSettings())
-    assert defaults["echospec-filtered"]["tau"] == Filtered().tau
-    assert defaults["echospec-tolerance"] == {"policy": "tolerance", "beta": Tolerance().beta}
-    assert defaults["echospec-pcg"] == {"policy": "pcg", "threshold": SimilarityGroups().threshold}
+    defaults = relaxed_rules(RelaxedSettings())  # the registry's chain defaults, not the classes' (the tree's)
+    assert defaults["echospec-filtered"]["tau"] == default("filtered", "chain")
+    assert defaults["echospec-tolerance"] == {"policy": "tolerance", "beta": default("tolerance", "chain")}
+    assert default("tolerance", "chain") != Tolerance().beta
+    assert defaults["echospec-pcg"] == {"policy": "pcg", "threshold": default("pcg", "chain")}
     given = relaxed_rules(RelaxedSettings(tau=7, beta=0.0, similarity=0.5))
     assert (given["echospec-filtered"]["tau"], given["echospec-tolerance"]["beta"]) == (7, 0.0)
     assert given["echospec-similarity"]["threshold"] == given["echospec-pcg"]["threshold"] == 0.5
