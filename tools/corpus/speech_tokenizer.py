@@ -193,8 +193,9 @@ def fit_decoder(tokenizer: SpeechTokenizer, tokens: list[np.ndarray], mels: list
     gram = np.empty((width, vocab, width, vocab))
     rhs = np.zeros((width, vocab, tokenizer.cfg.n_mels))
     for k, at_k in enumerate(columns):
-        for j, at_j in enumerate(columns):  # how often token a at offset k meets token b at offset j
-            gram[k, :, j, :] = np.bincount(at_k * vocab + at_j, minlength=vocab * vocab).reshape(vocab, vocab)
+        for j in range(k, width):  # how often token a at offset k meets token b at offset j (the gram is symmetric)
+            gram[k, :, j, :] = np.bincount(at_k * vocab + columns[j], minlength=vocab * vocab).reshape(vocab, vocab)
+            gram[j, :, k, :] = gram[k, :, j, :].T
         np.add.at(rhs[k], at_k, targets)
     gram = gram.reshape(width * vocab, width * vocab) + ridge * np.eye(width * vocab)
     # the mean is carried by the centre token's rows
