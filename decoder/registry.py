@@ -84,8 +84,9 @@ RULES = {rule.name: rule for rule in (
 """Every policy by the name callers use. The defaults are conservative, not certified: on the sample the paired
 rule refused every setting (60 prompts cannot bound a WER change to 2 points), so each is the fastest swept setting
 whose log-likelihood change (the measure that resolves there) stayed within +-5% on all 120 prompts, or Filtered's
-closest where none did; on chains Tolerance takes the beta that stayed inside in vLLM. The figures are in
-docs/results.md ("The relaxed defaults"); calibrate on your model with `echospec bench --sweep`."""
+closest where none did; on chains Tolerance takes the beta that stayed inside on the previous sample's vLLM chains
+(on today's none stays inside at batch 1 and 8). The figures are in docs/results.md ("The relaxed defaults", "vLLM
+side by side"); calibrate on your model with `echospec bench --sweep`."""
 RELAXED = tuple(name for name, rule in RULES.items() if rule.knob is not None)
 KNOBS = {rule.knob.name: rule.knob for rule in RULES.values() if rule.knob is not None}
 
