@@ -135,7 +135,8 @@ def tolerance_choice(q: torch.Tensor, child_tokens: Sequence[int], stop_ids: Seq
     if stop is not None:
         return None, stop
     q = q.clone()
-    for i in sorted(range(len(child_tokens)), key=lambda i: -float(q[child_tokens[i]])):
+    child_q = q[list(child_tokens)].tolist()
+    for i in sorted(range(len(child_tokens)), key=lambda i: -child_q[i]):
         token = child_tokens[i]
         if float(torch.rand(1, generator=generator)) < float(q[token]) + beta:
             return i, token
@@ -240,14 +241,15 @@ def group_rejection(q: torch.Tensor, child_tokens: Sequence[int], stop_ids: Sequ
     stop, q = decide_stop(q, stop_ids, generator)
     if stop is not None:
         return None, stop, None
-    vocab = len(q)
+    _, member, bounds = groups.pairs(len(q))
     p_group, counts = group_distribution(q, groups)
     residual = p_group.clone()  # unnormalised: the target is residual / residual.sum()
-    for i in sorted(range(len(child_tokens)), key=lambda i: -float(q[child_tokens[i]])):
+    child_q = q[list(child_tokens)].tolist()
+    for i in sorted(range(len(child_tokens)), key=lambda i: -child_q[i]):
         token = child_tokens[i]
         if token in stop_ids:
             continue
-        own = groups.members([token], vocab)[0]
+        own = member[bounds[token]:bounds[token + 1]]
         group = int(own[torch.randint(len(own), (1,), generator=generator)])  # c ~ q_G: uniform over x's groups
         total = float(residual.sum())
         if float(torch.rand(1, generator=generator)) * total < float(residual[group]) * len(own):
@@ -257,7 +259,7 @@ def group_rejection(q: torch.Tensor, child_tokens: Sequence[int], stop_ids: Sequ
     if float(residual.sum()) <= 0:  # only rounding empties it: the last child's q_G matched p exactly
         residual = p_group
     group = int(torch.multinomial(residual, 1, generator=generator))
-    inside = groups.members([group], vocab)[0]
+    inside = member[bounds[group]:bounds[group + 1]]
     weights = q[inside] / counts[inside]
     return None, int(inside[torch.multinomial(weights, 1, generator=generator)]), group
 

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from numba import njit
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -42,32 +43,26 @@ class NodeState:
 @dataclass
 class Positions:
     """A step's positions as a sampler sees them: the root's state and, for each row, the path below the root
-    (row 0 is the root itself, with an empty path)."""
+    (row 0 is the root itself, with an empty path). The layout is a few host integers; what the rows' scores
+    need of it goes to `device` in one copy."""
 
     root: NodeState
-    paths: torch.Tensor  # long[R, D]: row r's tokens from depth 1 to its own depth, -1 after it
-    depths: torch.Tensor  # long[R]
+    paths: np.ndarray  # int64[R, D]: row r's tokens from depth 1 to its own depth, -1 after it
+    depths: np.ndarray  # int64[R]
+    device: torch.device | str | None = None
 
     @classmethod
     def of(cls, state: NodeState, device=None) -> Positions:
         """One position: `state` itself."""
-        return cls(state, torch.empty(1, 0, dtype=torch.long, device=device),
-                   torch.zeros(1, dtype=torch.long, device=device))
+        return cls(state, np.empty((1, 0), np.int64), np.zeros(1, np.int64), device)
 
     def tails(self, history: Sequence[int], length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids long[R, L], valid bool[R, L]): each row's last `length` tokens (None: all) of `history` followed
-        by its path, where `valid`; elsewhere the row's last token again (padding that adds no new id)."""
-        prefix = torch.tensor(list(history[-length:] if length else history), dtype=torch.long,
-                              device=self.paths.device)
-        rows, held = len(self.depths), len(prefix)
-        ids = torch.cat([prefix.expand(rows, held), self.paths], 1)
-        end = held + self.depths  # row r's tokens are ids[r, :end]
-        column = torch.arange(ids.shape[1], device=ids.device)
-        start = (end - length).clamp(min=0) if length else torch.zeros_like(end)
-        valid = (column >= start[:, None]) & (column < end[:, None])
-        if not ids.shape[1]:
-            return ids, valid
-        return torch.where(valid, ids, ids.gather(1, (end - 1).clamp(min=0)[:, None])).clamp(min=0), valid
+        """(ids long[R, L], valid bool[R, L]) on `device`: each row's last `length` tokens (None: all) of
+        `history` followed by its path, where `valid`; elsewhere the row's last token again (padding that adds
+        no new id)."""
+        prefix = np.asarray(history[-length:] if length else history, np.int64).reshape(-1)
+        ids, valid = row_tails(prefix, self.paths, self.depths, length or 0)
+        return torch.from_numpy(ids).to(self.device), torch.from_numpy(valid).to(self.device)
 
     def mask(self, scores: torch.Tensor) -> torch.Tensor:
         """The minimum-length rule of Hugging Face and of CosyVoice, at every row: blocked ids get -inf."""
@@ -77,9 +72,27 @@ class Positions:
         blocked = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
         blocked[list(root.blocked)] = True
         if root.blocked_below is not None:
-            rows = (root.n_generated + self.depths < root.blocked_below).to(scores.device)
+            rows = torch.from_numpy(root.n_generated + self.depths < root.blocked_below).to(scores.device)
             blocked = rows[:, None] & blocked
         return scores.masked_fill(blocked, -float("inf"))
+
+
+@njit(cache=True, nogil=True)
+def row_tails(prefix, paths, depths, length):
+    """Positions.tails on the host, compiled (in torch it was a dozen small operations a step): row r's last
+    `length` (0: all) tokens of prefix + its path, left-aligned, padded with its last token."""
+    held, rows = prefix.shape[0], depths.shape[0]
+    width = held + paths.shape[1] if length == 0 else min(length, held + paths.shape[1])
+    ids, valid = np.zeros((rows, width), np.int64), np.zeros((rows, width), np.bool_)
+    for r in range(rows):
+        own = held + depths[r]
+        take = min(own, width)
+        for j in range(width):
+            k = own - take + min(j, take - 1)  # past `take`: the row's last token again
+            if k >= 0:
+                ids[r, j] = prefix[k] if k < held else paths[r, k - held]
+            valid[r, j] = j < take
+    return ids, valid
 
 
 def make_generator(seed: int | torch.Generator | None) -> torch.Generator:
@@ -93,11 +106,11 @@ def make_generator(seed: int | torch.Generator | None) -> torch.Generator:
 
 def draw_rows(q: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One id per row of `q` (float[R, V], rows summing to about 1) by inverting its running sum at that row's
-    uniform in [0, 1), on q's device. Never an id of probability 0 (rounding clamps to the last possible one)."""
+    uniform in [0, 1), on q's device. Never an id of probability 0: in float64 u * total < total for every u < 1
+    (total * 2**-53 is at least half an ulp of total), and the first running sum above a point below the total is
+    one where the sum rose."""
     cdf = q.double().cumsum(-1)
-    ids = torch.searchsorted(cdf, (uniforms.to(cdf) * cdf[:, -1])[:, None], right=True)[:, 0]
-    last = q.shape[-1] - 1 - (q > 0).flip(-1).to(torch.uint8).argmax(-1)
-    return torch.minimum(ids, last)
+    return torch.searchsorted(cdf, uniforms.to(cdf)[:, None] * cdf[:, -1:], right=True)[:, 0]
 
 
 def draw(q: torch.Tensor, generator: torch.Generator) -> int:
@@ -179,10 +192,11 @@ class RAS:
         # the top_k in descending order, equal probabilities by ascending id as CosyVoice's stable sort has them
         # (topk, not a sort of the whole vocabulary: on a CPU the sort cost a step more than the rest of the pass)
         head, ids = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
-        order = torch.sort(ids, dim=-1).indices  # ids ascending, then stably by descending probability
-        head, ids = head.gather(1, order), ids.gather(1, order)
-        order = head.sort(dim=-1, descending=True, stable=True).indices
-        head, ids = head.gather(1, order), ids.gather(1, order)
+        if bool((head[:, 1:] == head[:, :-1]).any()):  # ties (rare): their order is topk's, not CosyVoice's
+            order = torch.sort(ids, dim=-1).indices  # ids ascending, then stably by descending probability
+            head, ids = head.gather(1, order), ids.gather(1, order)
+            order = head.sort(dim=-1, descending=True, stable=True).indices
+            head, ids = head.gather(1, order), ids.gather(1, order)
         # the nucleus: tokens while the running sum before them (accumulated in CosyVoice's order, compared in
         # float32 as its tensor comparison is) is below top_p, at least one
         before = torch.cumsum(head, -1)[:, :-1]

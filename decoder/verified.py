@@ -13,8 +13,35 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from numba import njit
 
 from .sampling import NodeState, Positions, draw, draw_rows
+
+
+@njit(cache=True, nogil=True)
+def tree_layout(tokens, parents):
+    """(depths int64[1 + N], paths int64[1 + N, D], order, bounds) of a topologically ordered tree: each row's
+    depth (0: the root's row), its tokens from depth 1 down to it (-1 after), and every node's children at once
+    (node indices by parent, in index order; parent p's are order[bounds[p + 1]:bounds[p + 2]]). Compiled: in
+    NumPy these were some 20 small operations a step, a tenth of a sampled step's acceptance on the sample."""
+    n = parents.shape[0]
+    depths = np.zeros(n + 1, np.int64)
+    for i in range(n):
+        depths[i + 1] = 1 + (depths[parents[i] + 1] if parents[i] >= 0 else 0)
+    paths = np.full((n + 1, depths.max()), -1, np.int64)
+    for i in range(n):
+        if parents[i] >= 0:
+            paths[i + 1, :depths[i + 1] - 1] = paths[parents[i] + 1, :depths[i + 1] - 1]
+        paths[i + 1, depths[i + 1] - 1] = tokens[i]
+    bounds = np.zeros(n + 2, np.int64)  # bounds[p + 1]: where parent p's children start (p = -1: the root)
+    for i in range(n):
+        bounds[parents[i] + 2] += 1
+    bounds = np.cumsum(bounds)
+    order, filled = np.empty(n, np.int64), bounds[:-1].copy()
+    for i in range(n):
+        order[filled[parents[i] + 1]] = i
+        filled[parents[i] + 1] += 1
+    return depths, paths, order, bounds
 
 
 @dataclass
@@ -35,35 +62,17 @@ class VerifiedTree:
                              f"got {len(self.parents)} and {len(self.logits)}")
         if n and np.any(self.parents >= np.arange(n)):
             raise ValueError("a verified tree's nodes must come after their parents")
-        # every node's children at once: node indices sorted by parent (stably: in index order), cut per parent
-        self._order = np.argsort(self.parents, kind="stable")
-        self._bounds = np.searchsorted(self.parents[self._order], np.arange(-1, n + 1))
+        self.depths, self._paths, self._order, self._bounds = tree_layout(np.asarray(self.tokens, np.int64),
+                                                                          self.parents)
 
     def children(self, node: int) -> list[int]:
         """The child node indices of `node` (-1 = the root), in index order."""
         return self._order[self._bounds[node + 1]:self._bounds[node + 2]].tolist()
 
     @cached_property
-    def depths(self) -> np.ndarray:
-        """int64[1 + N]: each row's depth below the root (0: the root's row)."""
-        depths, above = np.zeros(len(self.tokens) + 1, np.int64), self.parents.copy()
-        while (above >= 0).any():  # one pass per level, over every node at once
-            depths[1:] += above >= 0
-            above = np.where(above >= 0, self.parents[np.maximum(above, 0)], -1)
-        return depths + np.r_[0, np.ones(len(self.tokens), np.int64)]
-
-    @cached_property
     def positions(self) -> Positions:
         """Each row's path below the root, as the sampler's batched pass reads it."""
-        tokens, depths, n = np.asarray(self.tokens, np.int64), self.depths, len(self.tokens)
-        paths = np.full((n + 1, int(depths.max(initial=0))), -1, np.int64)
-        rows, node = np.arange(n), np.arange(n)
-        while len(rows):  # climb from every node at once, writing each ancestor's token at its depth
-            paths[rows + 1, depths[node + 1] - 1] = tokens[node]
-            node = self.parents[node]
-            rows, node = rows[node >= 0], node[node >= 0]
-        return Positions(self.root, torch.from_numpy(paths).to(self.logits.device),
-                         torch.from_numpy(depths).to(self.logits.device))
+        return Positions(self.root, self._paths, self.depths, self.logits.device)
 
     def generated_at(self, path: list[int]) -> list[int]:
         """The output before the position after `path`: the root's generated tokens and the path's."""
