@@ -134,6 +134,14 @@ def test_bad_corpora_give_clear_errors(tmp_path):
 
 
 @shipped
+@pytest.mark.parametrize("device", ["nonsense", "cuda:99"])
+def test_a_device_that_is_not_here_is_refused_in_one_line(tmp_path, device):
+    write_corpus(tmp_path / "c")
+    result = CliRunner().invoke(main, ["train-model", str(tmp_path / "c"), str(tmp_path / "m"), "--device", device])
+    assert result.exit_code == 1 and f"--device {device!r}: not usable here" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "m").exists()
+
+
 def test_shipped_checkpoint_loads_and_encodes_the_shipped_prompts():
     model, meta = load_sample_tts()
     assert AutoModelForCausalLM.from_pretrained(SAMPLE_MODEL_DIR).config.vocab_size == meta.vocab_size

@@ -70,16 +70,19 @@ def make_corpus(out_dir, speakers, text_files, utterances_per_speaker, n_prompts
 @threads_option
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seed of the initial weights and the order of the batches.")
+@click.option("--device", default="cpu", show_default=True,
+              help="Torch device to train on (cuda, cuda:1, mps); only the CPU run is bit-reproducible.")
 @needs_extra("decoder")
 @fail_cleanly
 def train_model(corpus_dir, out_dir, steps, batch_size, lr, hidden, layers, heads, max_minutes, front_end, threads,
-                seed) -> None:
+                seed, device) -> None:
     """Train a small Llama TTS LM on CORPUS_DIR/corpus.jsonl; save it to OUT_DIR with save_pretrained."""
     from ..corpus.train_model import TrainConfig
     from ..corpus.train_model import train_model as run
 
     cfg = TrainConfig(steps=steps, batch_size=batch_size, lr=lr, hidden=hidden, layers=layers, heads=heads,
-                      max_minutes=max_minutes, front_end=front_end, threads=threads, seed=seed)  # fmt: skip
+                      max_minutes=max_minutes, front_end=front_end, threads=threads, seed=seed,
+                      device=device)  # fmt: skip
     click.echo(json.dumps(run(corpus_dir, out_dir, cfg), indent=2))
 
 

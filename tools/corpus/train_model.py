@@ -5,7 +5,9 @@ Each example is `<bos> speaker text <tts>` (the prompt, no loss) followed by `sp
 folder's prompts.jsonl (utterances kept out of the corpus), or a seeded slice of the corpus if it has none.
 The schedule is fixed by `steps` so a run is reproducible for a seed; `max_minutes` is only a safety cap
 (the report says when it cut training short). Saved with `save_pretrained` (safetensors) plus
-`echospec_tts.json`, so `AutoModelForCausalLM.from_pretrained(out_dir)` loads it.
+`echospec_tts.json`, so `AutoModelForCausalLM.from_pretrained(out_dir)` loads it. `device` trains elsewhere than
+the CPU (a GPU trains in minutes what one CPU thread trains in hours); only the CPU run is bit-reproducible, since
+CUDA's kernels may add in another order from run to run.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class TrainConfig:
     eval_every: int = 500
     heldout_fraction: float = 0.05  # used only when the folder has no prompts.jsonl
     front_end: str = "phonemes"  # what the model reads of a text: tools/corpus/tts_prompt.text_symbols
+    device: str = "cpu"  # where the model trains: any torch device ("cuda", "cuda:1", "mps")
 
 
 @dataclass(frozen=True)
@@ -133,8 +136,8 @@ def make_model(meta: TTSMeta, cfg: TrainConfig) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded ids, attention mask, and labels that score only the target (speech + stop)."""
+def collate(batch: list[Example], pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Right-padded ids, attention mask, and labels that score only the target (speech + stop), on `device`."""
     width = max(len(e.input_ids) for e in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
@@ -144,7 +147,7 @@ def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, :n] = torch.tensor(e.input_ids)
         labels[i, e.n_prompt : n] = ids[i, e.n_prompt : n]
         mask[i, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
 
 
 def length_bucketed_batches(examples: list[Example], batch_size: int, rng: random.Random):
@@ -168,7 +171,7 @@ def evaluate(model: LlamaForCausalLM, examples: list[Example], pad_id: int, batc
     model.eval()
     total_loss, correct, count = 0.0, 0, 0
     for start in range(0, len(examples), batch_size):
-        batch = collate(examples[start : start + batch_size], pad_id)
+        batch = collate(examples[start : start + batch_size], pad_id, model.device)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
         labels = batch["labels"][:, 1:]
         scored = labels != IGNORE
@@ -196,7 +199,7 @@ def sample_lengths(model: LlamaForCausalLM, meta: TTSMeta, rows: list[dict], n: 
     model.eval()
     out = []
     for row in rows[:n]:
-        prompt = torch.tensor([encode_prompt(meta, row["text"], row["speaker"])])
+        prompt = torch.tensor([encode_prompt(meta, row["text"], row["speaker"])], device=model.device)
         torch.manual_seed(seed)
         gen = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
                              max_new_tokens=4 * len(row["tokens"]) + 50)[0, prompt.shape[1] :].tolist()  # fmt: skip
@@ -207,8 +210,19 @@ def sample_lengths(model: LlamaForCausalLM, meta: TTSMeta, rows: list[dict], n: 
     return out
 
 
+def training_device(name: str) -> torch.device:
+    """`name` as a torch device that is here, or ValueError saying why not."""
+    try:
+        device = torch.device(name)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise ValueError(f"--device {name!r}: not usable here ({str(e).splitlines()[0]})") from None
+    return device
+
+
 def _save(model: LlamaForCausalLM, meta: TTSMeta, out_dir: Path, report: dict) -> None:
     """save_pretrained into a temporary sibling folder that is swapped in whole: a crash leaves no half checkpoint."""
+    model = model.to("cpu")  # the checkpoint loads anywhere
     model.generation_config = GenerationConfig(bos_token_id=meta.bos_id, eos_token_id=meta.stop_id, pad_token_id=meta.pad_id)
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -222,6 +236,7 @@ def train_model(corpus_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: 
     """Train, evaluate on the held-out set, sanity-sample, save; returns the report (also saved beside the model)."""
     if cfg.steps < 1 or cfg.batch_size < 1 or cfg.hidden % cfg.heads or cfg.heads % cfg.kv_heads:
         raise ValueError(f"bad config: steps/batch_size >= 1, hidden divisible by heads, heads by kv_heads: {cfg}")
+    device = training_device(cfg.device)
     train_rows, heldout_rows, speech_vocab, frame_rate = load_splits(corpus_dir, cfg)
     meta = build_meta(train_rows, speech_vocab, frame_rate, cfg.front_end)
     heldout_rows = [r for r in heldout_rows if r["speaker"] in meta.speaker_to_id
@@ -233,7 +248,7 @@ def train_model(corpus_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: 
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        model = make_model(meta, cfg)
+        model = make_model(meta, cfg).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
         batches = length_bucketed_batches(train, cfg.batch_size, random.Random(cfg.seed))
         model.train()
@@ -245,7 +260,7 @@ def train_model(corpus_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: 
                 break
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, cfg, elapsed)
-            loss = model(**collate(next(batches), meta.pad_id)).loss
+            loss = model(**collate(next(batches), meta.pad_id, device)).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
