@@ -137,10 +137,9 @@ def dtype_option(default: str = "float32", help: str = "Precision the model runs
     return click.option("--dtype", default=default, show_default=True, type=click.Choice(DTYPES), help=help)
 
 
-def device_option(default: str = "cpu"):
+def device_option(default: str = "cpu", help: str = "Where the model runs: cpu, cuda, cuda:1, ..."):
     """--device: where the model runs."""
-    return click.option("--device", default=default, show_default=True,
-                        help="Where the model runs: cpu, cuda, cuda:1, ...")
+    return click.option("--device", default=default, show_default=True, help=help)
 
 
 def audio_options(command):

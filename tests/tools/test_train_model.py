@@ -133,7 +133,6 @@ def test_bad_corpora_give_clear_errors(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
-@shipped
 @pytest.mark.parametrize("device", ["nonsense", "cuda:99"])
 def test_a_device_that_is_not_here_is_refused_in_one_line(tmp_path, device):
     write_corpus(tmp_path / "c")
@@ -142,6 +141,7 @@ def test_a_device_that_is_not_here_is_refused_in_one_line(tmp_path, device):
     assert "Traceback" not in result.output and not (tmp_path / "m").exists()
 
 
+@shipped
 def test_shipped_checkpoint_loads_and_encodes_the_shipped_prompts():
     model, meta = load_sample_tts()
     assert AutoModelForCausalLM.from_pretrained(SAMPLE_MODEL_DIR).config.vocab_size == meta.vocab_size

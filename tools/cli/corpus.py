@@ -7,7 +7,7 @@ import json
 
 import click
 
-from ..commands import fail_cleanly, needs_extra, threads_option
+from ..commands import device_option, fail_cleanly, needs_extra, threads_option
 
 
 @click.command("make-corpus")
@@ -70,8 +70,7 @@ def make_corpus(out_dir, speakers, text_files, utterances_per_speaker, n_prompts
 @threads_option
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seed of the initial weights and the order of the batches.")
-@click.option("--device", default="cpu", show_default=True,
-              help="Torch device to train on (cuda, cuda:1, mps); only the CPU run is bit-reproducible.")
+@device_option(help="Where the model trains: cpu, cuda, cuda:1, ...; only the CPU run is bit-reproducible.")
 @needs_extra("decoder")
 @fail_cleanly
 def train_model(corpus_dir, out_dir, steps, batch_size, lr, hidden, layers, heads, max_minutes, front_end, threads,
